@@ -1,0 +1,1 @@
+"""Side-by-side benchmark of a direct connection, nginx and tether in front of a fake engine."""

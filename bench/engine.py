@@ -1,0 +1,285 @@
+"""A fast fake OpenAI-compatible engine that speaks like vLLM and records aborts.
+
+It is a raw asyncio protocol so that one event costs a few microseconds: the engine shares
+a core with the load generator and must never be what limits a proxy's figures.
+
+Routes:
+- `POST /v1/chat/completions`, `POST /v1/completions`: the JSON body's `stream` picks SSE
+  or one JSON object; the query sets `events` (count), `rate` (events/s per stream, 0 means
+  as fast as the socket takes them), `hold=1` (send one event, then stay open and silent)
+  and `tag` (a client-chosen key under which disconnects and aborts are recorded).
+  Every object carries `"id":"<prefix><X-Request-Id>"` as vLLM does, and every event a
+  `bench_ts` send stamp (CLOCK_MONOTONIC ns, which is system-wide on Linux).
+- `GET /health`; `POST /abort_requests` (`{"request_ids": [...]}`, vLLM's abort API).
+- `GET /_bench/stats`, `POST /_bench/reset`: what was recorded, for the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+from urllib.parse import parse_qs
+
+import uvloop
+
+from bench.http1 import LAST_CHUNK, BodyDecoder, Head, body_decoder, chunk, parse_head
+
+ID_PREFIXES = {b"/v1/chat/completions": "chatcmpl-", b"/v1/completions": "cmpl-"}
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+    b"transfer-encoding: chunked\r\n\r\n"
+)
+DONE_EVENT = chunk(b"data: [DONE]\n\n") + LAST_CHUNK
+CHUNK_BODY = (
+    '","object":"chat.completion.chunk","created":1764460800,"model":"bench-model",'
+    '"choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}],'
+    '"bench_ts":'
+)
+
+
+@dataclass(slots=True)
+class Recorder:
+    """What the runner reads back: per tag, when the engine saw the abort or the drop."""
+
+    aborts: dict[str, int] = field(default_factory=dict)
+    drops: dict[str, int] = field(default_factory=dict)
+    tag_by_request_id: dict[str, str] = field(default_factory=dict)
+    unknown_aborts: int = 0
+    duplicate_aborts: int = 0
+    streams_started: int = 0
+
+    def record_abort(self, engine_request_id: str, now_ns: int) -> None:
+        request_id = engine_request_id.split("-", 1)[-1]
+        tag = self.tag_by_request_id.get(request_id)
+        if tag is None:
+            self.unknown_aborts += 1
+        elif tag in self.aborts:
+            self.duplicate_aborts += 1
+        else:
+            self.aborts[tag] = now_ns
+
+    def reset(self) -> None:
+        self.aborts.clear()
+        self.drops.clear()
+        self.tag_by_request_id.clear()
+        self.unknown_aborts = self.duplicate_aborts = self.streams_started = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "aborts": self.aborts,
+            "drops": self.drops,
+            "unknown_aborts": self.unknown_aborts,
+            "duplicate_aborts": self.duplicate_aborts,
+            "streams_started": self.streams_started,
+        }
+
+
+def json_response(status: str, payload: object) -> bytes:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return (
+        b"HTTP/1.1 %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+        % (status.encode(), len(body), body)
+    )
+
+
+def completion_response(prefix: str, request_id: str) -> bytes:
+    return json_response(
+        "200 OK",
+        {
+            "id": f"{prefix}{request_id}",
+            "object": "chat.completion",
+            "created": 1764460800,
+            "model": "bench-model",
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        },
+    )
+
+
+class Stream:
+    """One SSE response in progress on a connection."""
+
+    def __init__(self, conn: EngineConnection, event_prefix: bytes, events: int, rate: float, hold: bool, tag: str | None) -> None:
+        self._conn = conn
+        self._prefix = event_prefix
+        self._left = events
+        self._interval = 1.0 / rate if rate > 0 else 0.0
+        self._hold = hold
+        self.tag = tag
+        self._loop = asyncio.get_running_loop()
+        self._next_at = self._loop.time()
+        self._timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self.finished = False
+
+    def start(self) -> None:
+        self._conn.transport.write(SSE_HEAD)
+        self._send()
+
+    def _send(self) -> None:
+        self._timer = None
+        if self._conn.paused:
+            return  # resume() is called from resume_writing
+        event = b"%b%d}\n\n" % (self._prefix, time.monotonic_ns())
+        self._left -= 1
+        if self._left <= 0:
+            self.finished = True
+            self._conn.transport.write(chunk(event) + DONE_EVENT)
+            self._conn.stream_finished()
+            return
+        self._conn.transport.write(chunk(event))
+        if self._hold:
+            return
+        if self._interval:
+            self._next_at += self._interval
+            self._timer = self._loop.call_at(self._next_at, self._send)
+        else:
+            # One event per loop turn keeps concurrent streams interleaved, as a batching
+            # engine's would be, instead of one stream filling the socket at a time.
+            self._timer = self._loop.call_soon(self._send)
+
+    def resume(self) -> None:
+        if self._timer is None and not self.finished and not self._hold:
+            self._send()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class EngineConnection(asyncio.Protocol):
+    """One client connection; requests on it are served one after another (keep-alive)."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._recorder = recorder
+        self._buffer = b""
+        self._head: Head | None = None
+        self._body: BodyDecoder | None = None
+        self._body_parts: list[bytes] = []
+        self._stream: Stream | None = None
+        self.paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        while self._stream is None and self._parse_one():
+            pass
+
+    def eof_received(self) -> bool | None:
+        self._dropped()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._dropped()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self._stream is not None:
+            self._stream.resume()
+
+    def stream_finished(self) -> None:
+        self._stream = None
+        while self._stream is None and self._parse_one():
+            pass
+
+    def _dropped(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        stream.cancel()
+        if stream.tag is not None:
+            self._recorder.drops.setdefault(stream.tag, time.monotonic_ns())
+
+    def _parse_one(self) -> bool:
+        """Serve the next complete request in the buffer; False when more bytes are needed."""
+        if self._head is None:
+            end = self._buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return False
+            self._head = parse_head(self._buffer[:end])
+            self._body = body_decoder(self._head.headers, is_response=False)
+            self._buffer = self._buffer[end + 4 :]
+        assert self._body is not None
+        payload, rest = self._body.feed(self._buffer)
+        self._body_parts.append(payload)
+        if rest is None:
+            self._buffer = b""
+            return False
+        self._buffer = rest
+        head, body = self._head, b"".join(self._body_parts)
+        self._head, self._body, self._body_parts = None, None, []
+        self._dispatch(head, body)
+        return True
+
+    def _dispatch(self, head: Head, body: bytes) -> None:
+        method, target = head.start[0], head.start[1]
+        path, _, query = target.partition(b"?")
+        prefix = ID_PREFIXES.get(path)
+        if method == b"POST" and prefix is not None:
+            self._complete(head, body, prefix, parse_qs(query.decode()))
+        elif path == b"/health":
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        elif method == b"POST" and path == b"/abort_requests":
+            now_ns = time.monotonic_ns()
+            for engine_request_id in json.loads(body)["request_ids"]:
+                self._recorder.record_abort(engine_request_id, now_ns)
+            self.transport.write(json_response("200 OK", {}))
+        elif path == b"/_bench/stats":
+            self.transport.write(json_response("200 OK", self._recorder.as_json()))
+        elif method == b"POST" and path == b"/_bench/reset":
+            self._recorder.reset()
+            self.transport.write(json_response("200 OK", {}))
+        else:
+            self.transport.write(json_response("404 Not Found", {"error": "not found"}))
+
+    def _complete(self, head: Head, body: bytes, prefix: str, query: dict[str, list[str]]) -> None:
+        request_id = head.headers.get(b"x-request-id", b"none").decode()
+        if not json.loads(body or b"{}").get("stream", False):
+            self.transport.write(completion_response(prefix, request_id))
+            return
+        tag = query["tag"][0] if "tag" in query else None
+        if tag is not None:
+            self._recorder.tag_by_request_id[request_id] = tag
+        self._recorder.streams_started += 1
+        event_prefix = f'data: {{"id":"{prefix}{request_id}{CHUNK_BODY}'.encode()
+        self._stream = Stream(
+            self,
+            event_prefix,
+            events=int(query.get("events", ["16"])[0]),
+            rate=float(query.get("rate", ["0"])[0]),
+            hold=query.get("hold", ["0"])[0] == "1",
+            tag=tag,
+        )
+        self._stream.start()
+
+
+async def serve(host: str, port: int) -> None:
+    recorder = Recorder()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: EngineConnection(recorder), host, port, backlog=4096)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    uvloop.run(serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

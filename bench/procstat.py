@@ -1,0 +1,49 @@
+"""CPU time and resident memory of a process and its descendants, read from /proc.
+
+nginx is a master with a worker child, so a proxy's cost is always the sum over its tree.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every live descendant."""
+    pids = [pid]
+    for current in pids:
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                pids.extend(int(child) for child in (task / "children").read_text().split())
+            except OSError:
+                continue  # the task exited while we walked
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of the tree, all threads included."""
+    ticks = 0
+    for member in process_tree(pid):
+        try:
+            stat = Path(f"/proc/{member}/stat").read_text()
+        except OSError:
+            continue
+        # The command name may contain spaces; fields after it are fixed (proc(5)).
+        fields = stat.rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / CLOCK_TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of the tree."""
+    pages = 0
+    for member in process_tree(pid):
+        try:
+            pages += int(Path(f"/proc/{member}/statm").read_text().split()[1])
+        except OSError:
+            continue
+    return pages * PAGE_SIZE

@@ -1,0 +1,129 @@
+"""Run every workload against every system, interleaved, so machine noise hits all alike."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.systems import CLIENT_CORE, PROXY_CORE, Engine, System, all_systems
+from bench.workloads import (
+    Figures,
+    Profile,
+    abort_latency,
+    memory_per_stream,
+    paced_latency,
+    relay,
+    request_overhead,
+)
+
+NOFILE = 65536  # 10,000 idle streams take 20,000 descriptors in a proxy
+DESCRIPTOR_RESERVE = 100  # listening sockets, logs, the admin port
+# The per-request log line matters where requests are many; elsewhere tether at info
+# would only repeat tether's figures.
+INFO_LOG_WORKLOADS = ("relay_64", "requests_1")
+
+Workload = Callable[[Engine, System], Figures]
+
+
+def raise_nofile() -> int:
+    """Raise the descriptor limit, which children inherit, as far as we may; returns it.
+
+    Lifting the hard limit needs CAP_SYS_RESOURCE, which a container may not grant even to
+    root: then the soft limit goes up to the hard one and the caller caps its stream counts.
+    """
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, max(hard, NOFILE)))
+    except (ValueError, PermissionError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def plan(profile: Profile, max_streams: int) -> dict[str, Workload]:
+    workloads: dict[str, Workload] = {}
+    for streams in profile.relay_streams:
+        workloads[f"relay_{streams}"] = functools.partial(relay, profile, streams=streams)
+    workloads["paced"] = functools.partial(paced_latency, profile)
+    workloads["requests_1"] = functools.partial(request_overhead, profile, clients=1)
+    clients = profile.requests_concurrency
+    workloads[f"requests_{clients}"] = functools.partial(request_overhead, profile, clients=clients)
+    workloads["aborts"] = functools.partial(abort_latency, profile)
+    workloads["memory"] = functools.partial(memory_per_stream, profile, max_streams=max_streams)
+    return workloads
+
+
+def machine() -> dict[str, Any]:
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor(),
+    )
+    memory_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    nginx = subprocess.run(["nginx", "-v"], capture_output=True, text=True, check=False).stderr.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory_kib / 2**20, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "nginx": nginx.removeprefix("nginx version: "),
+        "core_split": f"proxy (nginx master+worker, tether) on core {PROXY_CORE}; "
+        f"fake engine, load generator and runner on core {CLIENT_CORE}",
+    }
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(profile: Profile, mode: str, system_names: list[str], results_dir: Path) -> Path:
+    nofile = raise_nofile()
+    # A proxy holds two descriptors per stream: the client's and the upstream's.
+    max_streams = (nofile - DESCRIPTOR_RESERVE) // 2
+    os.sched_setaffinity(0, {CLIENT_CORE})
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    started = datetime.datetime.now(datetime.UTC)
+    results: report.Results = {}
+    with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
+        with all_systems(Path(tmp), system_names, nofile) as (engine, systems):
+            for key, workload in plan(profile, max_streams).items():
+                results[key] = {}
+                for name, system in systems.items():
+                    if name == "tether_info" and key not in INFO_LOG_WORKLOADS:
+                        continue
+                    progress(f"{key:<14} {name}")
+                    results[key][name] = workload(engine, system)
+    report.add_deltas(results)
+    table, checks = report.render_table(results), report.targets(results)
+    meta = machine() | {
+        "date": started.isoformat(timespec="seconds"),
+        "mode": mode,
+        "nofile": nofile,
+        # Other work on the machine shows up here; the CPU-per-event figures resist it best.
+        "loadavg_before": load_before,
+        "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
+    }
+    print(f"tether benchmark, {mode} mode, {meta['date']}")
+    print(f"machine: {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, Linux {meta['kernel']}, "
+          f"Python {meta['python']}, nginx {meta['nginx']}")
+    print(f"cores: {meta['core_split']}")
+    print(f"load average before/after: {' '.join(meta['loadavg_before'])} / {' '.join(meta['loadavg_after'])}; "
+          f"descriptor limit {nofile}\n")
+    print(table)
+    print()
+    print(report.render_targets(checks))
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{started:%Y%m%dT%H%M%SZ}.json"
+    path.write_text(json.dumps({"meta": meta, "results": results, "targets": checks, "table": table}, indent=2))
+    print(f"\nresults: {path}")
+    return path

@@ -1,0 +1,189 @@
+"""The processes under test: the fake engine, and the three ways a client can reach it.
+
+Each system is a listening address plus the pid whose process tree is "the proxy" (none
+for a direct connection). Processes are pinned with sched_setaffinity before exec.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+PROXY_CORE = 0
+CLIENT_CORE = 1  # engine, load generator and this runner
+STARTUP_TIMEOUT_S = 30.0
+
+NGINX_CONF = """\
+worker_processes 1;
+worker_rlimit_nofile {nofile};
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{
+    worker_connections {nofile};
+}}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/client_body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    keepalive_requests 1000000;
+    upstream engine {{
+        server 127.0.0.1:{engine_port};
+        keepalive 1024;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_cache off;
+            proxy_read_timeout 3600s;
+        }}
+    }}
+}}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """The fake engine's port (also the direct system's) and pid."""
+
+    port: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    """Where the load generator connects, and whose CPU and memory count as the proxy's."""
+
+    name: str
+    port: int
+    proxy_pid: int | None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pinned(core: int) -> object:
+    """A preexec_fn that pins the child to one core."""
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+def wait_http_ok(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not ready after {STARTUP_TIMEOUT_S}s")
+
+
+@contextmanager
+def running(args: list[str], *, core: int, log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=pinned(core)  # type: ignore[arg-type]
+        )
+        try:
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@contextmanager
+def engine(tmp: Path) -> Iterator[Engine]:
+    port = free_port()
+    args = [sys.executable, "-m", "bench.engine", "--port", str(port)]
+    with running(args, core=CLIENT_CORE, log=tmp / "engine.log") as process:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process)
+        yield Engine(port, process.pid)
+
+
+@contextmanager
+def nginx(tmp: Path, engine_port: int, nofile: int) -> Iterator[System]:
+    port = free_port()
+    conf = tmp / "nginx.conf"
+    conf.write_text(
+        NGINX_CONF.format(tmp=tmp, engine_port=engine_port, port=port, nofile=nofile)
+    )
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    args = [binary, "-c", str(conf), "-g", "daemon off;"]
+    with running(args, core=PROXY_CORE, log=tmp / "nginx.log") as process:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process)
+        yield System("nginx", port, process.pid)
+
+
+def tether_binary() -> str:
+    """`tether` from the active venv (next to this interpreter), else from PATH."""
+    beside = Path(sys.executable).with_name("tether")
+    found = str(beside) if beside.exists() else shutil.which("tether")
+    if found is None:
+        raise FileNotFoundError("no `tether` command: install the package into the active venv")
+    return found
+
+
+@contextmanager
+def tether(tmp: Path, engine_port: int, *, name: str, log_level: str) -> Iterator[System]:
+    port, admin_port = free_port(), free_port()
+    env = os.environ | {
+        "TETHER_UPSTREAM_URL": f"http://127.0.0.1:{engine_port}",
+        "TETHER_HOST": "127.0.0.1",
+        "TETHER_PORT": str(port),
+        "TETHER_ADMIN_PORT": str(admin_port),
+        "TETHER_ENGINE": "vllm",
+        "TETHER_LOG_LEVEL": log_level,
+        "TETHER_LOG_FORMAT": "json",
+    }
+    with running([tether_binary()], core=PROXY_CORE, log=tmp / f"{name}.log", env=env) as process:
+        wait_http_ok(f"http://127.0.0.1:{admin_port}/readyz", process)
+        yield System(name, port, process.pid)
+
+
+@contextmanager
+def all_systems(tmp: Path, names: list[str], nofile: int) -> Iterator[tuple[Engine, dict[str, System]]]:
+    """Start the engine and the named systems; yields the engine and the systems by name."""
+    with ExitStack() as stack:
+        fake_engine = stack.enter_context(engine(tmp))
+        engine_port = fake_engine.port
+        systems: dict[str, System] = {}
+        for name in names:
+            if name == "direct":
+                systems[name] = System(name, engine_port, None)
+            elif name == "nginx":
+                systems[name] = stack.enter_context(nginx(tmp, engine_port, nofile))
+            elif name == "tether":
+                systems[name] = stack.enter_context(tether(tmp, engine_port, name=name, log_level="warning"))
+            elif name == "tether_info":
+                systems[name] = stack.enter_context(tether(tmp, engine_port, name=name, log_level="info"))
+            else:
+                raise ValueError(f"unknown system {name!r}")
+        yield fake_engine, systems

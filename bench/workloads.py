@@ -1,0 +1,256 @@
+"""The five workloads: each builds a load-generator spec, runs it and reduces the result.
+
+Every function returns flat figures for one system; comparisons with the other systems are
+the report's job.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from bench.stats import summarize_us
+from bench.systems import CLIENT_CORE, Engine, System, pinned
+
+Figures = dict[str, float | int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Counts and durations; `QUICK` is the CI smoke test, `FULL` the published run."""
+
+    relay_streams: tuple[int, ...]
+    relay_events_per_request: int
+    relay_warmup_s: float
+    relay_window_s: float
+    paced_streams: int
+    paced_rate: float
+    paced_warmup_s: float
+    paced_window_s: float
+    requests_concurrency: int
+    requests_warmup_s: float
+    requests_window_s: float
+    abort_streams: int
+    abort_rate: float
+    abort_spread_s: float
+    idle_steps: tuple[int, int]
+    idle_settle_s: float
+
+
+FULL = Profile(
+    relay_streams=(1, 64, 512),
+    relay_events_per_request=200,
+    relay_warmup_s=1.0,
+    relay_window_s=6.0,
+    paced_streams=64,
+    paced_rate=50.0,
+    paced_warmup_s=1.0,
+    paced_window_s=10.0,
+    requests_concurrency=32,
+    requests_warmup_s=1.0,
+    requests_window_s=5.0,
+    abort_streams=1000,
+    abort_rate=20.0,
+    abort_spread_s=3.0,
+    idle_steps=(1000, 10000),
+    idle_settle_s=2.0,
+)
+QUICK = Profile(
+    relay_streams=(1, 8, 32),
+    relay_events_per_request=50,
+    relay_warmup_s=0.2,
+    relay_window_s=0.5,
+    paced_streams=16,
+    paced_rate=50.0,
+    paced_warmup_s=0.2,
+    paced_window_s=1.0,
+    requests_concurrency=4,
+    requests_warmup_s=0.2,
+    requests_window_s=0.5,
+    abort_streams=50,
+    abort_rate=20.0,
+    abort_spread_s=0.5,
+    idle_steps=(20, 100),
+    idle_settle_s=0.3,
+)
+
+
+def run_loadgen(spec: dict[str, Any], engine: Engine, system: System) -> dict[str, Any]:
+    """Run the load generator as its own pinned process and return its JSON result."""
+    spec = spec | {"host": "127.0.0.1", "port": system.port, "proxy_pid": system.proxy_pid, "engine_pid": engine.pid}
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.loadgen"],
+        input=json.dumps(spec).encode(),
+        capture_output=True,
+        preexec_fn=pinned(CLIENT_CORE),  # type: ignore[arg-type]
+        timeout=300,
+        check=False,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"load generator failed on {system.name}: {completed.stderr.decode()[-2000:]}")
+    result: dict[str, Any] = json.loads(completed.stdout)
+    return result
+
+
+def engine_call(engine: Engine, method: str, path: str) -> dict[str, Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{engine.port}{path}", method=method)
+    with urllib.request.urlopen(request, timeout=10) as response:
+        result: dict[str, Any] = json.load(response)
+        return result
+
+
+def per_million(cpu_s: float, count: int) -> float | None:
+    return cpu_s / count * 1e6 if count else None
+
+
+def relay(profile: Profile, engine: Engine, system: System, streams: int) -> Figures:
+    """Workload 1: events/s at saturation and proxy CPU seconds per million events."""
+    result = run_loadgen(
+        {
+            "mode": "streams",
+            "streams": streams,
+            "events": profile.relay_events_per_request,
+            "rate": 0,
+            "warmup_s": profile.relay_warmup_s,
+            "window_s": profile.relay_window_s,
+        },
+        engine,
+        system,
+    )
+    return {
+        "events_per_s": result["events"] / result["wall_s"],
+        "proxy_cpu_s_per_m_events": per_million(result["proxy_cpu_s"], result["events"]) if system.proxy_pid else None,
+        "proxy_core_utilisation": result["proxy_cpu_s"] / result["wall_s"] if system.proxy_pid else None,
+        "client_core_utilisation": (result["engine_cpu_s"] + result["loadgen_cpu_s"]) / result["wall_s"],
+        "events": result["events"],
+        "errors": result["errors"],
+        "id_mismatches": result["id_mismatches"],
+    }
+
+
+def paced_latency(profile: Profile, engine: Engine, system: System) -> Figures:
+    """Workload 2: arrival minus send stamp per event at a moderate, fixed rate."""
+    result = run_loadgen(
+        {
+            "mode": "streams",
+            "streams": profile.paced_streams,
+            "events": int(profile.paced_rate * (profile.paced_warmup_s + profile.paced_window_s + 0.5)),
+            "rate": profile.paced_rate,
+            "warmup_s": profile.paced_warmup_s,
+            "window_s": profile.paced_window_s,
+        },
+        engine,
+        system,
+    )
+    latency = result["latency_us"]
+    return {
+        "p50_us": latency.get("p50"),
+        "p99_us": latency.get("p99"),
+        "p99.9_us": latency.get("p99.9"),
+        "max_us": latency.get("max"),
+        "events": result["events"],
+        "proxy_cpu_s_per_m_events": per_million(result["proxy_cpu_s"], result["events"]) if system.proxy_pid else None,
+        "errors": result["errors"],
+        "id_mismatches": result["id_mismatches"],
+    }
+
+
+def request_overhead(profile: Profile, engine: Engine, system: System, clients: int) -> Figures:
+    """Workload 3: small non-streaming requests from closed-loop clients."""
+    result = run_loadgen(
+        {
+            "mode": "requests",
+            "clients": clients,
+            "warmup_s": profile.requests_warmup_s,
+            "window_s": profile.requests_window_s,
+        },
+        engine,
+        system,
+    )
+    latency = result["latency_us"]
+    return {
+        "requests_per_s": result["requests"] / result["wall_s"],
+        "requests_per_proxy_cpu_s": result["requests"] / result["proxy_cpu_s"] if system.proxy_pid and result["proxy_cpu_s"] else None,
+        "p50_us": latency.get("p50"),
+        "p99_us": latency.get("p99"),
+        "errors": result["errors"],
+        "id_mismatches": result["id_mismatches"],
+    }
+
+
+def abort_latency(profile: Profile, engine: Engine, system: System) -> Figures:
+    """Workload 4: client close to the engine hearing of it, for every disconnected stream.
+
+    tether calls the engine's abort API, so its figure is close → abort received. nginx and
+    a direct connection have no abort call: their figure is close → the engine seeing its
+    connection drop, which is how vLLM itself notices a lost client.
+    """
+    engine_call(engine, "POST", "/_bench/reset")
+    result = run_loadgen(
+        {
+            "mode": "aborts",
+            "streams": profile.abort_streams,
+            "rate": profile.abort_rate,
+            "spread_s": profile.abort_spread_s,
+            "open_timeout_s": 30,
+        },
+        engine,
+        system,
+    )
+    closed_ns: dict[str, int] = result["closed_ns"]
+    signal = "aborts" if system.name.startswith("tether") else "drops"
+    deadline = time.monotonic() + 5
+    while True:
+        stats = engine_call(engine, "GET", "/_bench/stats")
+        if set(closed_ns) <= set(stats[signal]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    seen = {tag: stats[signal][tag] - closed for tag, closed in closed_ns.items() if tag in stats[signal]}
+    drops = [stats["drops"][tag] - closed for tag, closed in closed_ns.items() if tag in stats["drops"]]
+    summary, drop_summary = summarize_us(list(seen.values())), summarize_us(drops)
+    return {
+        "p50_ms": ms(summary.get("p50")),
+        "p99_ms": ms(summary.get("p99")),
+        "max_ms": ms(summary.get("max")),
+        "disconnected": len(closed_ns),
+        "noticed": len(seen),
+        "missed": len(closed_ns) - len(seen),
+        "drop_p99_ms": ms(drop_summary.get("p99")),
+        "failed_to_open": result["failed_to_open"],
+        "ended_early": result["ended_early"],
+        "unknown_aborts": stats["unknown_aborts"],
+        "duplicate_aborts": stats["duplicate_aborts"],
+        "id_mismatches": result["id_mismatches"],
+    }
+
+
+def ms(value_us: float | None) -> float | None:
+    return None if value_us is None else value_us / 1000
+
+
+def memory_per_stream(profile: Profile, engine: Engine, system: System, max_streams: int) -> Figures:
+    """Workload 5: proxy RSS with many idle open streams; bytes per stream from the slope."""
+    steps = [min(step, max_streams) for step in profile.idle_steps]
+    result = run_loadgen(
+        {"mode": "idle", "steps": steps, "settle_s": profile.idle_settle_s, "open_timeout_s": 60},
+        engine,
+        system,
+    )
+    low, high = result["steps"]
+    per_stream = None
+    if system.proxy_pid and high["open"] > low["open"]:
+        per_stream = (high["proxy_rss"] - low["proxy_rss"]) / (high["open"] - low["open"])
+    return {
+        "rss_low_mib": low["proxy_rss"] / 2**20 if low["proxy_rss"] else None,
+        "rss_high_mib": high["proxy_rss"] / 2**20 if high["proxy_rss"] else None,
+        "bytes_per_stream": per_stream,
+        "open_low": low["open"],
+        "open_high": high["open"],
+        "failed_to_open": result["failed_to_open"],
+        "id_mismatches": result["id_mismatches"],
+    }

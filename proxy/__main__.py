@@ -1,0 +1,66 @@
+"""`tether` / `python -m proxy`: read settings, configure logging, install uvloop, run."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import uvloop
+from pydantic import ValidationError
+
+from . import __version__
+from .logging import configure_logging
+from .runner import serve
+from .settings import Settings, describe_errors, describe_settings
+
+USAGE = f"""\
+usage: tether [--help] [--version]
+
+tether {__version__}: a sidecar in front of an LLM inference server. It aborts requests upstream
+when their client disconnects and keeps request IDs unique upstream while clients keep
+seeing their own. Configured by environment variables only (a .env file is read too):
+
+{{settings}}
+
+Exit codes: 0 after a graceful shutdown (SIGTERM/SIGINT), 2 on a bad setting.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args in (["--help"], ["-h"]):
+        print(USAGE.format(settings=describe_settings()))
+        return 0
+    if args == ["--version"]:
+        print(__version__)
+        return 0
+    if args:
+        print(
+            f"tether takes no arguments, only TETHER_* environment variables; got {args}\n"
+            "run `tether --help` for the list",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        settings = Settings()  # type: ignore[call-arg]  # fields come from the environment
+    except ValidationError as error:
+        print("tether: invalid configuration:", file=sys.stderr)
+        for line in describe_errors(error):
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    uvloop.run(_run(settings))
+    return 0
+
+
+async def _run(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await serve(settings, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The admin port: liveness, readiness, metrics, the in-flight list and abort by ID.
+
+Never served on the client port. Mutations need `Authorization: Bearer $TETHER_ADMIN_TOKEN`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .context import CONTEXT, ProxyContext
+from .errors import error_body
+from .registry import Outcome
+
+log = structlog.get_logger("tether.admin")
+
+PROXY_APP = web.AppKey("tether_proxy_app", web.Application)
+
+
+def create_admin_app(proxy_app: web.Application) -> web.Application:
+    """The admin app reads the proxy app's context (created by the proxy app's cleanup)."""
+    app = web.Application()
+    app[PROXY_APP] = proxy_app
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/requests", list_requests)
+    app.router.add_post("/admin/abort", abort_request)
+    return app
+
+
+def _context(request: web.Request) -> ProxyContext:
+    return request.app[PROXY_APP][CONTEXT]
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process serves."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: the engine's last health check passed and tether is not draining."""
+    problem = _context(request).readiness.problem
+    if problem is None:
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "not_ready", "reason": problem}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(_context(request).metrics.registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def list_requests(request: web.Request) -> web.Response:
+    """Every in-flight request: client and internal ID, method, path, phase, age, bytes."""
+    now = time.monotonic()
+    registry = _context(request).registry
+    return web.json_response({"requests": [state.as_json(now) for state in registry]})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """Abort every in-flight request with this client ID (or this internal ID).
+
+    Each is ended exactly as on a client disconnect: its client connection is closed, the
+    upstream connection dropped and the engine's abort API called.
+    """
+    ctx = _context(request)
+    refusal = _refuse_unauthorised(request, ctx)
+    if refusal is not None:
+        return refusal
+    try:
+        payload = await request.json()
+        request_id = payload["request_id"]
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return _error(
+            400,
+            "invalid_request_error",
+            "invalid_body",
+            'send a JSON object like {"request_id": "<client or internal ID>"}',
+        )
+    aborted = []
+    for state in ctx.registry.find(request_id):
+        if state.task is None or state.task.done():
+            continue
+        state.ended_by = Outcome.ADMIN_ABORTED
+        state.task.cancel()
+        aborted.append(state.internal_request_id)
+    log.info("admin_abort", request_id=request_id, aborted=aborted)
+    return web.json_response({"request_id": request_id, "aborted": aborted})
+
+
+def _refuse_unauthorised(request: web.Request, ctx: ProxyContext) -> web.Response | None:
+    token = ctx.settings.admin_token
+    if token is None:
+        return _error(
+            403,
+            "permission_error",
+            "admin_disabled",
+            "admin mutations are disabled; set TETHER_ADMIN_TOKEN to enable them",
+        )
+    sent = request.headers.get("Authorization", "")
+    expected = f"Bearer {token.get_secret_value()}"
+    if not hmac.compare_digest(sent.encode(), expected.encode()):
+        return _error(
+            401,
+            "authentication_error",
+            "invalid_admin_token",
+            "send Authorization: Bearer <TETHER_ADMIN_TOKEN>",
+        )
+    return None
+
+
+def _error(status: int, error_type: str, code: str, message: str) -> web.Response:
+    return web.Response(
+        status=status, body=error_body(message, error_type, code), content_type="application/json"
+    )

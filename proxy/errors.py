@@ -1,0 +1,89 @@
+"""tether's errors: one root, branches by who caused them, and the one mapping from an error
+to the status, OpenAI-style body and log level a client and an operator see."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import ClassVar
+
+
+class TetherError(Exception):
+    """Root of every error tether raises on purpose."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "internal_error"
+    code: ClassVar[str] = "internal_error"
+    log_level: ClassVar[int] = logging.ERROR
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> bytes:
+        """The OpenAI-style JSON error body for this error."""
+        return error_body(self.message, self.error_type, self.code)
+
+
+def error_body(message: str, error_type: str, code: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": error_type, "code": code}}).encode()
+
+
+# --- caused by the client: answered before anything goes upstream --------------------------
+
+
+class ClientRequestError(TetherError):
+    status = 400
+    error_type = "invalid_request_error"
+    log_level = logging.INFO
+
+
+class InvalidRequestIdError(ClientRequestError, ValueError):
+    code = "invalid_request_id"
+
+
+class InvalidRequestBodyError(ClientRequestError, ValueError):
+    code = "invalid_request_body"
+
+
+class RequestBodyTooLargeError(ClientRequestError):
+    status = 413
+    code = "request_body_too_large"
+
+
+class BlockedRouteError(ClientRequestError, PermissionError):
+    status = 403
+    error_type = "permission_error"
+    code = "blocked_route"
+
+
+# --- caused by the upstream or by a limit ---------------------------------------------------
+
+
+class UpstreamError(TetherError):
+    status = 502
+    error_type = "upstream_error"
+    log_level = logging.WARNING
+
+
+class UpstreamUnavailableError(UpstreamError, ConnectionError):
+    code = "upstream_unavailable"
+
+
+class UpstreamConnectTimeoutError(UpstreamError, TimeoutError):
+    status = 504
+    code = "upstream_connect_timeout"
+
+
+class RequestTimeoutError(UpstreamError, TimeoutError):
+    """TETHER_REQUEST_TIMEOUT or TETHER_STREAM_IDLE_TIMEOUT elapsed."""
+
+    status = 504
+    error_type = "timeout_error"
+    code = "upstream_timeout"
+
+
+class UpstreamBrokenError(UpstreamError, ConnectionError):
+    """The upstream failed after its response started: the client's stream is cut."""
+
+    code = "upstream_broken"

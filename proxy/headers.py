@@ -1,0 +1,97 @@
+"""Pure header rules: what crosses the proxy in each direction. No I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from multidict import CIMultiDict, CIMultiDictProxy, istr
+
+# RFC 9110 §7.6.1 connection-specific fields, plus the non-standard ones proxies still see.
+HOP_BY_HOP: frozenset[str] = frozenset(
+    istr(name)
+    for name in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "Proxy-Connection",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+    )
+)
+
+UPSTREAM_REQUEST_ID_HEADER = istr("X-Request-Id")
+_HOST = istr("Host")
+# tether (aiohttp) already answered `100 Continue` to the client; the engine gets the body.
+_EXPECT = istr("Expect")
+_CONTENT_LENGTH = istr("Content-Length")
+_X_FORWARDED_FOR = istr("X-Forwarded-For")
+_X_FORWARDED_PROTO = istr("X-Forwarded-Proto")
+_X_FORWARDED_HOST = istr("X-Forwarded-Host")
+
+
+def _connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+    """Headers the sender declared hop-by-hop in `Connection` (RFC 9110 §7.6.1)."""
+    named: set[str] = set()
+    for value in headers.getall("Connection", ()):
+        named.update(istr(token.strip()) for token in value.split(",") if token.strip())
+    return named
+
+
+def _end_to_end(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: Iterable[str]
+) -> CIMultiDict[str]:
+    drop = HOP_BY_HOP | _connection_named(headers) | {istr(name) for name in also_drop}
+    return CIMultiDict((name, value) for name, value in headers.items() if name not in drop)
+
+
+def upstream_request_headers(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str],
+    *,
+    client_request_id_header: str,
+    internal_request_id: str,
+    peer: str | None,
+    scheme: str,
+    body_rewritten: bool,
+) -> CIMultiDict[str]:
+    """Headers to send upstream for one client request.
+
+    The client's own request ID never reaches the engine: tether's internal ID replaces it,
+    always as `X-Request-Id`, the header vLLM (and most servers) key their request by. `Host`
+    is left to the HTTP client so it names the upstream. A rewritten body has a new length.
+    """
+    also_drop = [_HOST, _EXPECT, client_request_id_header, UPSTREAM_REQUEST_ID_HEADER]
+    if body_rewritten:
+        also_drop.append(_CONTENT_LENGTH)
+    result = _end_to_end(headers, also_drop)
+    if peer:
+        forwarded_for = headers.get(_X_FORWARDED_FOR)
+        result[_X_FORWARDED_FOR] = f"{forwarded_for}, {peer}" if forwarded_for else peer
+    result[_X_FORWARDED_PROTO] = scheme
+    host = headers.get(_HOST)
+    if host and _X_FORWARDED_HOST not in result:
+        result[_X_FORWARDED_HOST] = host
+    result[UPSTREAM_REQUEST_ID_HEADER] = internal_request_id
+    return result
+
+
+def client_response_headers(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str],
+    *,
+    client_request_id_header: str,
+    client_request_id: str,
+    body_rewritten: bool,
+) -> CIMultiDict[str]:
+    """Headers to send back to the client for one upstream response.
+
+    Any request-ID header the engine echoed carries the internal ID; the client gets its own.
+    A rewritten body changes length, so its `Content-Length` is set again by the caller.
+    """
+    also_drop = [client_request_id_header, UPSTREAM_REQUEST_ID_HEADER]
+    if body_rewritten:
+        also_drop.append(_CONTENT_LENGTH)
+    result = _end_to_end(headers, also_drop)
+    result[client_request_id_header] = client_request_id
+    return result

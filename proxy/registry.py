@@ -1,0 +1,108 @@
+"""The in-flight registry: every request tether is serving, by internal and by client ID."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """Where a request is in its life; also the `phase` label of disconnect metrics."""
+
+    BODY = "body"  # reading the client's body (and sending it upstream)
+    WAITING = "waiting"  # body sent, waiting for the engine's response (queued, prefill)
+    STREAMING = "streaming"  # relaying the response to the client
+
+
+class Outcome(StrEnum):
+    """How a request ended; used as-is in logs and metric labels."""
+
+    COMPLETED = "completed"
+    REJECTED = "rejected"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    ADMIN_ABORTED = "admin_aborted"
+    SHUTDOWN_ABORTED = "shutdown_aborted"
+    TIMED_OUT = "timed_out"
+    UPSTREAM_FAILED = "upstream_failed"
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """One in-flight request: what the admin API lists and what its summary log reports."""
+
+    client_request_id: str
+    internal_request_id: str
+    method: str
+    path: str
+    route: str
+    started_at: float = field(default_factory=time.monotonic)
+    phase: Phase = Phase.BODY
+    upstream_contacted: bool = False
+    response_started: bool = False
+    bytes_out: int = 0
+    first_byte_at: float | None = None
+    # Set when tether itself ends the request (admin abort, shutdown) before cancelling it.
+    ended_by: Outcome | None = None
+    task: asyncio.Task[object] | None = None
+    transport: asyncio.BaseTransport | None = None
+
+    def as_json(self, now: float) -> dict[str, object]:
+        return {
+            "client_request_id": self.client_request_id,
+            "internal_request_id": self.internal_request_id,
+            "method": self.method,
+            "path": self.path,
+            "phase": self.phase.value,
+            "age_seconds": round(now - self.started_at, 3),
+            "bytes_out": self.bytes_out,
+        }
+
+
+class Registry:
+    """Maps internal ID → request, and client ID → its in-flight internal IDs."""
+
+    def __init__(self) -> None:
+        self._by_internal: dict[str, RequestState] = {}
+        self._by_client: dict[str, set[str]] = {}
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    def add(self, state: RequestState) -> None:
+        self._by_internal[state.internal_request_id] = state
+        self._empty.clear()
+        self._by_client.setdefault(state.client_request_id, set()).add(state.internal_request_id)
+
+    def remove(self, state: RequestState) -> None:
+        self._by_internal.pop(state.internal_request_id, None)
+        siblings = self._by_client.get(state.client_request_id)
+        if siblings is not None:
+            siblings.discard(state.internal_request_id)
+            if not siblings:
+                del self._by_client[state.client_request_id]
+        if not self._by_internal:
+            self._empty.set()
+
+    async def wait_empty(self) -> None:
+        """Until no request is in flight."""
+        await self._empty.wait()
+
+    def find(self, request_id: str) -> list[RequestState]:
+        """Every in-flight request with this client ID, or the one with this internal ID."""
+        internal_ids = self._by_client.get(request_id, ())
+        found = [self._by_internal[internal] for internal in internal_ids]
+        if not found and request_id in self._by_internal:
+            found.append(self._by_internal[request_id])
+        return found
+
+    def __len__(self) -> int:
+        return len(self._by_internal)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(list(self._by_internal.values()))
+
+    @property
+    def client_ids(self) -> int:
+        return len(self._by_client)

@@ -1,0 +1,110 @@
+"""Pure request-ID work: mint internal IDs, check client IDs, write IDs into request bodies
+and map them back in response bytes. No I/O."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+MAX_CLIENT_REQUEST_ID_LENGTH = 256
+INTERNAL_REQUEST_ID_LENGTH = 32
+
+# Visible ASCII only: no spaces, no control characters (CR/LF header and log injection).
+_VISIBLE_ASCII = frozenset(range(0x21, 0x7F))
+
+
+class InvalidClientRequestId(ValueError):
+    """The client's request ID cannot be used; the message says why."""
+
+
+def mint_internal_request_id() -> str:
+    """A fresh internal ID: 32 random hex characters.
+
+    Fixed length makes the IDs prefix-free (SGLang aborts every rid that *starts with* the one
+    named), and hex never ends in `_<digit>` (SGLang's suffix for n>1 children).
+    """
+    return os.urandom(INTERNAL_REQUEST_ID_LENGTH // 2).hex()
+
+
+def check_client_request_id(value: str) -> str:
+    """Return the client's ID if it is safe to log, echo and write into JSON, else raise."""
+    if not value:
+        raise InvalidClientRequestId("must not be empty")
+    if len(value) > MAX_CLIENT_REQUEST_ID_LENGTH:
+        raise InvalidClientRequestId(
+            f"is {len(value)} characters long; the limit is {MAX_CLIENT_REQUEST_ID_LENGTH}"
+        )
+    if not all(ord(char) in _VISIBLE_ASCII for char in value):
+        raise InvalidClientRequestId(
+            "may only contain visible ASCII characters (no spaces or control characters)"
+        )
+    return value
+
+
+class InvalidJsonBody(ValueError):
+    """The body must be a JSON object for tether to write its ID into it."""
+
+
+def write_request_id_fields(body: bytes, fields: dict[str, str]) -> bytes:
+    """Set top-level `fields` in a JSON object body and serialise it again."""
+    try:
+        document: Any = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidJsonBody(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidJsonBody("the request body must be a JSON object")
+    document.update(fields)
+    return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def json_escaped(value: str) -> bytes:
+    """`value` as it must appear inside a JSON string (quotes and backslashes escaped)."""
+    return json.dumps(value, ensure_ascii=True)[1:-1].encode()
+
+
+class IdMapper:
+    """Replaces the internal ID with the client's ID in a byte stream, chunk by chunk.
+
+    An occurrence split across two chunks is still replaced: the end of a chunk that could be
+    the start of the internal ID is held back until the next chunk (or `flush`) shows whether
+    it is. Nothing else is held back, so SSE events ending in a blank line pass at once.
+    """
+
+    __slots__ = ("_held", "_needle", "_replacement")
+
+    def __init__(self, internal_request_id: str, replacement: bytes) -> None:
+        self._needle = internal_request_id.encode()
+        self._replacement = replacement
+        self._held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._held + chunk if self._held else chunk
+        needle = self._needle
+        last = data.rfind(needle)
+        tail_start = 0 if last < 0 else last + len(needle)
+        keep = _partial_match_at_end(data, needle, tail_start)
+        if keep:
+            self._held = data[-keep:]
+            data = data[:-keep]
+        else:
+            self._held = b""
+        if last < 0:
+            return data
+        return data.replace(needle, self._replacement)
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return held
+
+
+def _partial_match_at_end(data: bytes, needle: bytes, start: int) -> int:
+    """Length of the longest end of `data[start:]` that is a proper prefix of `needle`."""
+    first = needle[0]
+    begin = max(start, len(data) - len(needle) + 1)
+    index = data.find(first, begin)
+    while index >= 0:
+        if needle.startswith(data[index:]):
+            return len(data) - index
+        index = data.find(first, index + 1)
+    return 0

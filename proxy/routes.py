@@ -1,0 +1,33 @@
+"""Pure path rules: which client paths are engine control routes. No I/O."""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from urllib.parse import unquote
+
+_SLASHES = re.compile(r"/{2,}")
+
+
+def normalised_path(raw_path: str) -> str:
+    """The path as an engine's router might end up reading it, for matching only.
+
+    Percent-decoding is repeated (`%252F` → `%2F` → `/`), backslashes count as slashes, runs of
+    slashes collapse, dot segments resolve, case and a trailing slash are ignored: every
+    spelling of `/abort_requests` normalises to the same string.
+    """
+    path = raw_path.split("?", 1)[0].split("#", 1)[0]
+    for _ in range(4):
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    path = _SLASHES.sub("/", "/" + path.replace("\\", "/"))
+    path = posixpath.normpath(path)
+    return path.lower().rstrip("/") or "/"
+
+
+def is_blocked(raw_path: str, blocked_paths: tuple[str, ...]) -> bool:
+    """True when the path reaches one of the engine's control routes (prefix match)."""
+    path = normalised_path(raw_path)
+    return any(path.startswith(blocked) for blocked in blocked_paths)

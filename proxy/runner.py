@@ -1,0 +1,134 @@
+"""Run tether: the proxy and admin servers, and the graceful shutdown.
+
+`__main__` and the tests use this same code, so production flags cannot drift from tested ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import structlog
+from aiohttp import web
+
+from .admin import create_admin_app
+from .app import create_app
+from .context import CONTEXT, ProxyContext
+from .registry import Outcome
+from .settings import Settings
+
+log = structlog.get_logger("tether.runner")
+
+# How long cancelled handlers get to hand their aborts over, once the grace period is over.
+_CANCEL_SETTLE_SECONDS = 5.0
+
+
+def listening_socket(host: str, port: int, keepalive_idle: int) -> socket.socket:
+    """A listening socket whose accepted connections inherit TCP keepalive settings (Linux),
+    so a client that vanished without FIN or RST is noticed within about a minute."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, keepalive_idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, keepalive_idle // 3))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+class TetherServer:
+    """The proxy and admin servers with their lifetimes; `stop()` is the graceful shutdown."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        self._proxy_runner = web.AppRunner(
+            self.app,
+            handle_signals=False,
+            access_log=None,
+            # A client that leaves cancels its handler at once, in every phase.
+            handler_cancellation=True,
+            # Idle keep-alive connections close at shutdown; in-flight requests are drained
+            # by `stop()` before the runner is cleaned up.
+            shutdown_timeout=1.0,
+        )
+        self._admin_runner = web.AppRunner(
+            create_admin_app(self.app), handle_signals=False, access_log=None
+        )
+        self._proxy_site: web.SockSite | None = None
+        self.port = 0
+        self.admin_port = 0
+
+    @property
+    def context(self) -> ProxyContext:
+        return self.app[CONTEXT]
+
+    async def start(self) -> None:
+        settings = self.settings
+        await self._proxy_runner.setup()
+        proxy_socket = listening_socket(settings.host, settings.port, settings.tcp_keepalive_idle)
+        self._proxy_site = web.SockSite(self._proxy_runner, proxy_socket)
+        await self._proxy_site.start()
+        self.port = proxy_socket.getsockname()[1]
+        await self._admin_runner.setup()
+        admin_socket = listening_socket(
+            settings.admin_host, settings.admin_port, settings.tcp_keepalive_idle
+        )
+        await web.SockSite(self._admin_runner, admin_socket).start()
+        self.admin_port = admin_socket.getsockname()[1]
+        log.info(
+            "tether_started",
+            port=self.port,
+            admin_port=self.admin_port,
+            upstream_url=settings.upstream_url,
+            engine=settings.engine.value,
+        )
+
+    async def stop(self) -> None:
+        """Graceful shutdown: refuse new work, let in-flight requests finish within the grace
+        period, abort the rest upstream, drain the aborts, then close everything."""
+        ctx = self.context
+        ctx.readiness.draining = True
+        if self._proxy_site is not None:
+            await self._proxy_site.stop()
+        in_flight = len(ctx.registry)
+        log.info(
+            "shutdown_started", in_flight=in_flight, grace_seconds=self.settings.shutdown_grace
+        )
+        if in_flight:
+            try:
+                async with asyncio.timeout(self.settings.shutdown_grace):
+                    await ctx.registry.wait_empty()
+            except TimeoutError:
+                await self._abort_in_flight(ctx)
+        await self._proxy_runner.cleanup()  # drains the abort tracker, closes the session
+        await self._admin_runner.cleanup()
+        log.info("shutdown_finished")
+
+    async def _abort_in_flight(self, ctx: ProxyContext) -> None:
+        left = list(ctx.registry)
+        log.warning("shutdown_aborting", in_flight=len(left))
+        for state in left:
+            if state.task is not None and not state.task.done():
+                state.ended_by = Outcome.SHUTDOWN_ABORTED
+                state.task.cancel()
+        try:
+            async with asyncio.timeout(_CANCEL_SETTLE_SECONDS):
+                await ctx.registry.wait_empty()
+        except TimeoutError:
+            log.error("shutdown_handlers_stuck", in_flight=len(ctx.registry))
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    """Run until `stop` is set, then shut down gracefully."""
+    server = TetherServer(settings)
+    await server.start()
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()

@@ -1,0 +1,279 @@
+"""Every setting tether has, read from ``TETHER_*`` environment variables (and ``.env``).
+
+No instance is created at import: ``__main__`` builds one, tests build their own.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from enum import StrEnum
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "TETHER_"
+
+# Engine control routes that must never be reachable by clients: with them, anyone could
+# abort, pause or reload the engine. Matched case-insensitively on the normalised path, as a
+# path prefix, so `/update_weights_from_disk` is covered by `/update_weights`.
+DEFAULT_BLOCKED_PATHS = (
+    "/abort_requests",
+    "/abort_request",
+    "/inference/v1/abort_requests",
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/sleep",
+    "/wake_up",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/reset_mm_cache",
+    "/update_weights",
+    "/init_weight_transfer_engine",
+    "/init_weights_update_group",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/flush_cache",
+    "/start_profile",
+    "/stop_profile",
+    "/configure_logging",
+    "/slots",
+)
+
+_HEADER_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_HTTP_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
+
+
+class Engine(StrEnum):
+    """How the engine is aborted and where tether's request ID goes."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    GENERIC = "generic"
+    NONE = "none"
+
+
+class LogFormat(StrEnum):
+    JSON = "json"
+    CONSOLE = "console"
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class Settings(BaseSettings):
+    """tether's configuration. Every field is the env var ``TETHER_<FIELD NAME>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        extra="ignore",
+        frozen=True,
+        hide_input_in_errors=True,
+    )
+
+    upstream_url: str = Field(
+        description="Base URL of the engine, e.g. http://127.0.0.1:8000 (required)."
+    )
+    host: str = Field("0.0.0.0", description="Address clients connect to.")
+    port: int = Field(8080, ge=1, le=65535, description="Port clients connect to.")
+    admin_host: str = Field("0.0.0.0", description="Address of the admin port.")
+    admin_port: int = Field(
+        9090, ge=1, le=65535, description="Health, readiness, metrics and admin API."
+    )
+    engine: Engine = Field(
+        Engine.VLLM, description="vllm, sglang, generic or none: how to abort, where the ID goes."
+    )
+    abort_url: str | None = Field(
+        None,
+        description="Abort call: absolute URL or a path on the upstream. Required for generic; "
+        "overrides the built-in route for vllm and sglang.",
+    )
+    abort_method: str = Field("POST", description="HTTP method of the abort call.")
+    abort_body: str | None = Field(
+        None,
+        description="Body template of the abort call for generic; {internal_request_id} is "
+        "replaced by tether's ID.",
+    )
+    upstream_admin_key: SecretStr | None = Field(
+        None, description="Sent as a bearer token on abort calls (SGLang admin key)."
+    )
+    admin_token: SecretStr | None = Field(
+        None, description="Bearer token for POST /admin/abort; unset refuses admin mutations."
+    )
+    request_id_header: str = Field("X-Request-Id", description="The header clients use.")
+    connect_timeout: Seconds = Field(5.0, description="Seconds to connect upstream.")
+    request_timeout: Seconds | None = Field(
+        None, description="Seconds a whole request may take; unset means no limit."
+    )
+    stream_idle_timeout: Seconds | None = Field(
+        None, description="Seconds of upstream silence allowed mid-response; unset: no limit."
+    )
+    abort_timeout: Seconds = Field(2.0, description="Seconds one abort attempt may take.")
+    abort_deadline: Seconds = Field(
+        5.0, description="Seconds all attempts of one abort (retries included) may take."
+    )
+    abort_repeat_delay: float = Field(
+        0.5,
+        ge=0,
+        description="An abort is sent once more after this many seconds, in case it overtook "
+        "the request it names; 0 disables the repeat.",
+    )
+    shutdown_grace: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds in-flight requests may finish after SIGTERM before being aborted.",
+    )
+    upstream_health_path: str = Field("/health", description="Engine path polled for readiness.")
+    health_interval: Seconds = Field(2.0, description="Seconds between readiness checks.")
+    blocked_paths: Annotated[tuple[str, ...], NoDecode] = Field(
+        DEFAULT_BLOCKED_PATHS,
+        description="Comma-separated engine control routes refused with 403 (prefix match).",
+    )
+    max_json_body: int = Field(
+        32 * 1024 * 1024,
+        gt=0,
+        description="Largest JSON request body (bytes) tether reads to write its ID into.",
+    )
+    tcp_keepalive_idle: int = Field(
+        30,
+        ge=1,
+        description="Seconds of client silence before TCP keepalive probes look for a "
+        "vanished peer.",
+    )
+    log_format: LogFormat = Field(LogFormat.JSON, description="json or console.")
+    log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warning or error.")
+
+    @field_validator("upstream_url")
+    @classmethod
+    def _http_base_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.query or parts.fragment:
+            raise ValueError("must not carry a query or fragment")
+        try:
+            parts.port  # noqa: B018 - raises on a malformed port
+        except ValueError as exc:
+            raise ValueError(f"has an invalid port: {exc}") from None
+        return value.rstrip("/")
+
+    @field_validator("abort_url")
+    @classmethod
+    def _url_or_path(cls, value: str | None) -> str | None:
+        if value is None or value.startswith("/"):
+            return value
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL or a path starting with /")
+        return value
+
+    @field_validator("abort_method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        method = value.upper()
+        if method not in _HTTP_METHODS:
+            raise ValueError(f"must be one of {', '.join(_HTTP_METHODS)}")
+        return method
+
+    @field_validator("abort_body")
+    @classmethod
+    def _template_names_only_the_id(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        names = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        unknown = names - {"internal_request_id"}
+        if unknown:
+            raise ValueError(
+                f"may only use {{internal_request_id}}, found {{{sorted(unknown)[0]}}} "
+                "(write literal braces as {{ and }})"
+            )
+        return value
+
+    @field_validator("request_id_header")
+    @classmethod
+    def _header_name(cls, value: str) -> str:
+        if not _HEADER_TOKEN.match(value):
+            raise ValueError("must be a valid HTTP header name")
+        return value
+
+    @field_validator("upstream_health_path")
+    @classmethod
+    def _absolute_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with /")
+        return value
+
+    @field_validator("blocked_paths", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("blocked_paths")
+    @classmethod
+    def _blocked_are_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for path in value:
+            if not path.startswith("/"):
+                raise ValueError(f"{path!r} must start with /")
+        return tuple(path.rstrip("/").lower() or "/" for path in value)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.port == self.admin_port and self.host == self.admin_host:
+            raise ValueError("TETHER_PORT and TETHER_ADMIN_PORT must differ")
+        if self.engine is Engine.GENERIC and self.abort_url is None:
+            raise ValueError("TETHER_ABORT_URL is required when TETHER_ENGINE=generic")
+        if self.abort_timeout > self.abort_deadline:
+            raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
+        return self
+
+
+def env_var(field_name: str) -> str:
+    return f"{ENV_PREFIX}{field_name.upper()}"
+
+
+def describe_errors(error: ValidationError) -> list[str]:
+    """One line per problem, each naming the environment variable to fix."""
+    lines = []
+    for problem in error.errors():
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["loc"]:
+            name = env_var(str(problem["loc"][0]))
+            if problem["type"] == "missing":
+                message = "is required"
+            lines.append(f"{name}: {message}")
+        else:
+            lines.append(message)
+    return lines
+
+
+def describe_settings() -> str:
+    """The table `tether --help` prints: every variable, its default and meaning."""
+    rows = []
+    for name, field in Settings.model_fields.items():
+        if field.is_required():
+            default = "(required)"
+        elif isinstance(field.default, tuple):
+            default = ",".join(field.default) if len(field.default) < 4 else "(built-in list)"
+        elif field.default is None:
+            default = "(unset)"
+        else:
+            default = str(field.default)
+        rows.append((env_var(name), default, field.description or ""))
+    width = max(len(row[0]) for row in rows)
+    default_width = max(len(row[1]) for row in rows)
+    return "\n".join(
+        f"  {var:<{width}}  {default:<{default_width}}  {text}" for var, default, text in rows
+    )

@@ -1,0 +1,41 @@
+"""Numbers the suite measures on the real engine, printed at the end of the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+
+import pytest
+
+
+class Measurements:
+    """Named measurements grouped by topic; printed in pytest's terminal summary."""
+
+    KEY = pytest.StashKey["Measurements"]()
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, float]] = []
+
+    def add(self, topic: str, name: str, value: float) -> None:
+        self.rows.append((topic, name, value))
+        out = os.environ.get("TETHER_VLLM_MEASUREMENTS")
+        if out:
+            with pathlib.Path(out).open("a") as handle:
+                handle.write(json.dumps({"topic": topic, "name": name, "value": value}) + "\n")
+
+    def lines(self) -> list[str]:
+        grouped: dict[tuple[str, str], list[float]] = {}
+        for topic, name, value in self.rows:
+            grouped.setdefault((topic, name), []).append(value)
+        lines = []
+        for (topic, name), values in grouped.items():
+            if len(values) == 1:
+                lines.append(f"{topic:<22} {name:<60} {values[0]:.3f}")
+            else:
+                lines.append(
+                    f"{topic:<22} {name:<60} median {statistics.median(values):.3f} "
+                    f"max {max(values):.3f} (n={len(values)})"
+                )
+        return lines

@@ -1,0 +1,255 @@
+"""Starting and stopping the real processes the suite drives: vLLM (CPU build) and tether."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .observe import LogFile, http_get, wait_until
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SETUP_SCRIPT = REPO / "tests" / "engines" / "vllm_cpu.sh"
+HERE = pathlib.Path(__file__).resolve().parent
+MODEL_NAME = "tiny"
+VLLM_READY_TIMEOUT = 240.0
+TETHER_READY_TIMEOUT = 30.0
+ADMIN_TOKEN = "real-vllm-suite-token"
+
+
+@dataclass(frozen=True)
+class EngineInstall:
+    """Where tests/engines/vllm_cpu.sh put vLLM's venv and the tiny model."""
+
+    python: pathlib.Path
+    model: pathlib.Path
+
+    @property
+    def vllm(self) -> pathlib.Path:
+        return self.python.parent / "vllm"
+
+
+def install_engine() -> EngineInstall:
+    """Run the (idempotent, cached) setup script and read its last line."""
+    result = subprocess.run(
+        ["bash", str(SETUP_SCRIPT)], check=True, capture_output=True, text=True, timeout=1200
+    )
+    values = dict(item.split("=", 1) for item in result.stdout.strip().splitlines()[-1].split())
+    return EngineInstall(pathlib.Path(values["VLLM_PYTHON"]), pathlib.Path(values["VLLM_MODEL"]))
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """One way of running vLLM; each is started once per session."""
+
+    name: str
+    dev_mode: bool = False
+    middleware: str | None = None
+
+
+DEFAULT_WITH_MIDDLEWARE = VllmConfig(
+    "default+middleware", middleware="user_middleware.tag_responses"
+)
+DEV_MODE = VllmConfig("dev-mode", dev_mode=True)
+CONFIGS = {config.name: config for config in (DEFAULT_WITH_MIDDLEWARE, DEV_MODE)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def on_core(core: int) -> list[str]:
+    """`taskset -c <core>` when the machine has that core and taskset, else nothing."""
+    if shutil.which("taskset") and (os.cpu_count() or 1) > core:
+        return ["taskset", "-c", str(core)]
+    return []
+
+
+@dataclass
+class Process:
+    """A child process in its own session, logging to a file."""
+
+    popen: subprocess.Popen[bytes]
+    log: LogFile
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if not self.alive():
+            return
+        os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+
+def spawn(argv: list[str], env: dict[str, str], log_path: pathlib.Path) -> Process:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return Process(popen, LogFile(log_path))
+
+
+def wait_ready(process: Process, url: str, timeout: float, what: str) -> float:
+    """Poll `url` until it answers 200; fail early, with the log's tail, if the process dies."""
+
+    def ready() -> bool:
+        if not process.alive():
+            raise AssertionError(f"{what} exited ({process.popen.returncode}):\n{process.log.tail()}")
+        try:
+            return http_get(url, timeout=2.0)[0] == 200
+        except OSError:
+            return False
+
+    try:
+        return wait_until(ready, timeout, f"{what} at {url}", interval=0.2)
+    except AssertionError:
+        process.stop()
+        raise
+
+
+@dataclass
+class VllmServer:
+    config: VllmConfig
+    port: int
+    process: Process
+    ready_seconds: float
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> LogFile:
+        return self.process.log
+
+
+def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path) -> VllmServer:
+    port = free_port()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONPATH": str(HERE),
+    }
+    env.pop("VLLM_SERVER_DEV_MODE", None)
+    if config.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    argv = [
+        *on_core(1), str(install.vllm), "serve", str(install.model),
+        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
+        "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2048",
+        "--max-num-seqs", "16", "--enforce-eager", "--enable-log-requests",
+    ]
+    if config.middleware:
+        argv += ["--middleware", config.middleware]
+    process = spawn(argv, env, log_dir / f"vllm-{config.name}.log")
+    ready = wait_ready(process, f"http://127.0.0.1:{port}/health", VLLM_READY_TIMEOUT, "vLLM")
+    return VllmServer(config, port, process, ready)
+
+
+@dataclass
+class Tether:
+    port: int
+    admin_port: int
+    process: Process
+    ready_seconds: float
+    token: str = ADMIN_TOKEN
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def log(self) -> LogFile:
+        return self.process.log
+
+
+def tether_executable() -> pathlib.Path:
+    """The `tether` console script of the venv running pytest."""
+    return pathlib.Path(sys.executable).parent / "tether"
+
+
+def start_tether(upstream_url: str, log_path: pathlib.Path) -> Tether:
+    port, admin_port = free_port(), free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TETHER_")},
+        "TETHER_UPSTREAM_URL": upstream_url,
+        "TETHER_HOST": "127.0.0.1",
+        "TETHER_PORT": str(port),
+        "TETHER_ADMIN_HOST": "127.0.0.1",
+        "TETHER_ADMIN_PORT": str(admin_port),
+        "TETHER_ENGINE": "vllm",
+        "TETHER_ADMIN_TOKEN": ADMIN_TOKEN,
+        "TETHER_LOG_FORMAT": "json",
+        "TETHER_LOG_LEVEL": "debug",
+    }
+    process = spawn([*on_core(0), str(tether_executable())], env, log_path)
+    ready = wait_ready(process, f"http://127.0.0.1:{admin_port}/readyz", TETHER_READY_TIMEOUT, "tether")
+    return Tether(port, admin_port, process, ready)
+
+
+@dataclass
+class Stack:
+    """A real vLLM with tether in front of it."""
+
+    vllm: VllmServer
+    tether: Tether
+    measurements: list[tuple[str, str, float]] = field(default_factory=list)
+
+    def stop(self) -> None:
+        self.tether.process.stop()
+        self.vllm.process.stop()
+
+
+class StackPool:
+    """Keeps at most one stack running (two vLLMs would fight over one core)."""
+
+    def __init__(self, install: EngineInstall, log_dir: pathlib.Path) -> None:
+        self._install = install
+        self._log_dir = log_dir
+        self._current: Stack | None = None
+        self.started: list[tuple[str, float, float]] = []
+
+    def get(self, name: str) -> Stack:
+        if self._current is not None and self._current.vllm.config.name == name:
+            return self._current
+        self.close()
+        started = time.monotonic()
+        vllm = start_vllm(CONFIGS[name], self._install, self._log_dir)
+        try:
+            tether = start_tether(vllm.url, self._log_dir / f"tether-{name}.log")
+        except BaseException:
+            vllm.process.stop()
+            raise
+        self._current = Stack(vllm, tether)
+        self.started.append((name, vllm.ready_seconds, time.monotonic() - started))
+        return self._current
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.stop()
+            self._current = None
