@@ -24,6 +24,7 @@ from enum import StrEnum
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 
 class AbortRoute(StrEnum):
@@ -71,7 +72,7 @@ class Generation:
 class SeenRequest:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]
     body: bytes
     at: float
 
@@ -162,7 +163,7 @@ class FakeEngine:
         body = await request.read()
         self.requests.append(
             SeenRequest(
-                request.method, request.path_qs, dict(request.headers), body, time.monotonic()
+                request.method, request.path_qs, CIMultiDict(request.headers), body, time.monotonic()
             )
         )
         await self._notify()
@@ -178,7 +179,7 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.requests.append(
-            SeenRequest(request.method, request.path, dict(request.headers), body, time.monotonic())
+            SeenRequest(request.method, request.path, CIMultiDict(request.headers), body, time.monotonic())
         )
         payload: dict[str, Any] = json.loads(body) if body else {}
         knobs = payload.get("fake", {})
@@ -226,6 +227,7 @@ class FakeEngine:
                     await asyncio.Event().wait()  # stuck engine: never another token
                 generation.tokens.put_nowait(f" tok{index}")
                 generation.produced += 1
+                await self._notify()
                 await asyncio.sleep(generation.token_interval)
             generation.end(GenerationState.COMPLETED)
         finally:

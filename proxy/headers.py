@@ -8,7 +8,7 @@ from multidict import CIMultiDict, CIMultiDictProxy, istr
 
 # RFC 9110 §7.6.1 connection-specific fields, plus the non-standard ones proxies still see.
 HOP_BY_HOP: frozenset[str] = frozenset(
-    istr(name)
+    name.lower()
     for name in (
         "Connection",
         "Keep-Alive",
@@ -33,18 +33,20 @@ _X_FORWARDED_HOST = istr("X-Forwarded-Host")
 
 
 def _connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
-    """Headers the sender declared hop-by-hop in `Connection` (RFC 9110 §7.6.1)."""
+    """Headers the sender declared hop-by-hop in `Connection` (RFC 9110 §7.6.1), lower-cased."""
     named: set[str] = set()
     for value in headers.getall("Connection", ()):
-        named.update(istr(token.strip()) for token in value.split(",") if token.strip())
+        named.update(token.strip().lower() for token in value.split(",") if token.strip())
     return named
 
 
 def _end_to_end(
     headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: Iterable[str]
 ) -> CIMultiDict[str]:
-    drop = HOP_BY_HOP | _connection_named(headers) | {istr(name) for name in also_drop}
-    return CIMultiDict((name, value) for name, value in headers.items() if name not in drop)
+    drop = HOP_BY_HOP | _connection_named(headers) | {name.lower() for name in also_drop}
+    return CIMultiDict(
+        (name, value) for name, value in headers.items() if name.lower() not in drop
+    )
 
 
 def upstream_request_headers(

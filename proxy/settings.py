@@ -86,10 +86,10 @@ class Settings(BaseSettings):
         description="Base URL of the engine, e.g. http://127.0.0.1:8000 (required)."
     )
     host: str = Field("0.0.0.0", description="Address clients connect to.")
-    port: int = Field(8080, ge=1, le=65535, description="Port clients connect to.")
+    port: int = Field(8080, ge=0, le=65535, description="Port clients connect to (0: any free port).")
     admin_host: str = Field("0.0.0.0", description="Address of the admin port.")
     admin_port: int = Field(
-        9090, ge=1, le=65535, description="Health, readiness, metrics and admin API."
+        9090, ge=0, le=65535, description="Health, readiness, metrics and admin API."
     )
     engine: Engine = Field(
         Engine.VLLM, description="vllm, sglang, generic or none: how to abort, where the ID goes."
@@ -231,7 +231,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if self.port == self.admin_port and self.host == self.admin_host:
+        if self.port == self.admin_port != 0 and self.host == self.admin_host:
             raise ValueError("TETHER_PORT and TETHER_ADMIN_PORT must differ")
         if self.engine is Engine.GENERIC and self.abort_url is None:
             raise ValueError("TETHER_ABORT_URL is required when TETHER_ENGINE=generic")

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from .engines import AbortCall
 from .errors import UpstreamConnectTimeoutError, UpstreamUnavailableError
@@ -65,7 +66,8 @@ class UpstreamClient:
         try:
             return await self._session.request(
                 method,
-                self._base_url + path_qs,
+                # As the client sent it: re-encoding could change what the engine routes on.
+                URL(self._base_url + path_qs, encoded=True),
                 headers=headers,
                 data=body,
                 allow_redirects=False,

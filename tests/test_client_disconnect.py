@@ -1,0 +1,167 @@
+"""A client that leaves, in any phase, gets its request aborted upstream: the connection is
+dropped and the engine's abort API names the right internal ID."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.fake_engine import AbortRoute, GenerationState
+from proxy.registry import Phase
+
+from .conftest import RawClient, chat_body
+
+
+async def _one_generation(engine) -> str:  # type: ignore[no-untyped-def]
+    await engine.wait_for(lambda: len(engine.generations) == 1)
+    return next(iter(engine.generations))
+
+
+@pytest.mark.parametrize("close", ["fin", "rst"])
+async def test_disconnect_mid_stream_aborts_the_generation(fake_engine, tether, close) -> None:
+    """Leaving after the first tokens stops the engine, which would otherwise go on."""
+    engine, engine_url = await fake_engine(token_interval=0.01, max_tokens=10_000)
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(max_tokens=10_000), headers={"X-Request-Id": "mine"})
+    await client.read_until(b"tok1")
+    internal_id = await _one_generation(engine)
+
+    client.close_fin() if close == "fin" else client.close_rst()
+
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    assert engine.aborts[0].ids == (f"chatcmpl-{internal_id}",)
+    await server.context.aborts.drain()
+    assert server.context.metrics.client_disconnects.labels("streaming")._value.get() == 1
+
+
+@pytest.mark.parametrize("close", ["fin", "rst"])
+async def test_disconnect_before_first_token_aborts(fake_engine, tether, close) -> None:
+    """Leaving while the engine is still in prefill (no byte yet) is noticed at once."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(stream=False, prefill=30))
+    internal_id = await _one_generation(engine)
+    assert server.context.registry.find(internal_id)[0].phase is Phase.WAITING
+
+    client.close_fin() if close == "fin" else client.close_rst()
+
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    assert engine.generation(internal_id).produced == 0
+
+
+async def test_disconnect_during_non_streaming_generation_aborts(fake_engine, tether) -> None:
+    """A non-streaming request whose client leaves mid-generation is aborted too."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(stream=False, max_tokens=10_000))
+    internal_id = await _one_generation(engine)
+    await engine.wait_for(lambda: engine.generation(internal_id).produced >= 3)
+
+    client.close_fin()
+
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    assert engine.generation(internal_id).produced < 10_000
+
+
+async def test_disconnect_while_streaming_a_body_upstream_aborts(upstream_app, tether) -> None:
+    """A body that streams through (not JSON) reached the engine before the client left:
+    the engine is told to abort it."""
+    from aiohttp import web
+
+    from proxy.fake_engine import FakeEngine
+
+    engine = FakeEngine()
+    received_head = asyncio.Event()
+
+    async def upload(request: web.Request) -> web.Response:
+        received_head.set()
+        await request.read()
+        return web.Response(text="done")
+
+    engine.app.router.add_post("/v1/audio/transcriptions", upload)
+    engine_url = await upstream_app(engine.app)
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(
+        b"x" * 100_000,
+        path="/v1/audio/transcriptions",
+        content_type="application/octet-stream",
+        body_bytes_now=1000,
+    )
+    await asyncio.wait_for(received_head.wait(), 5)
+    [state] = list(server.context.registry)
+    assert state.phase is Phase.BODY
+
+    client.close_fin()
+
+    await engine.wait_for(lambda: len(engine.aborts) == 1)
+    assert engine.aborts[0].ids == (
+        f"chatcmpl-{state.internal_request_id}",
+        f"cmpl-{state.internal_request_id}",
+    )
+    assert server.context.metrics.client_disconnects.labels("body")._value.get() == 1
+
+
+async def test_disconnect_while_sending_a_json_body_never_reaches_the_engine(
+    fake_engine, tether
+) -> None:
+    """A JSON body is read whole first (tether writes its ID into it): a client that leaves
+    half-way leaves nothing upstream to abort."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(), body_bytes_now=10)
+    await _wait_registered(server)
+
+    client.close_fin()
+
+    await _wait_registry_empty(server)
+    assert engine.requests == []
+    assert engine.aborts == []
+    assert server.context.metrics.client_disconnects.labels("body")._value.get() == 1
+
+
+async def test_engine_without_abort_api_still_sees_the_connection_drop(fake_engine, tether) -> None:
+    """With TETHER_ENGINE=none the dropped upstream connection is the abort."""
+    engine, engine_url = await fake_engine(hears_disconnects=True, token_interval=0.01,
+                                           abort_route=AbortRoute.NONE)
+    server = await tether(engine_url, engine="none")
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(max_tokens=10_000))
+    await client.read_until(b"tok1")
+    internal_id = await _one_generation(engine)
+
+    client.close_rst()
+
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    assert engine.disconnects[0][0] == internal_id
+    assert engine.aborts == []
+
+
+async def test_completed_request_is_never_aborted(fake_engine, tether, http) -> None:
+    """A request that ran to the end is not aborted, even if the client closes right after."""
+    engine, engine_url = await fake_engine(max_tokens=3)
+    server = await tether(engine_url)
+    async with http.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                         json=chat_body(max_tokens=3)) as response:
+        text = await response.text()
+    assert text.endswith("data: [DONE]\n\n")
+    await _wait_registry_empty(server)
+    await server.context.aborts.drain()
+    assert engine.aborts == []
+    assert all(g.state is GenerationState.COMPLETED for g in engine.generations.values())
+
+
+async def _wait_registered(server) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(5):
+        while len(server.context.registry) == 0:
+            await asyncio.sleep(0.005)
+
+
+async def _wait_registry_empty(server) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(5):
+        await server.context.registry.wait_empty()

@@ -1,0 +1,105 @@
+"""Header rules, as input → output tables (pure, no I/O)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+from multidict import CIMultiDict
+
+from proxy.headers import HOP_BY_HOP, client_response_headers, upstream_request_headers
+
+
+def _upstream(headers: CIMultiDict[str], **overrides: object) -> CIMultiDict[str]:
+    options: dict[str, object] = {
+        "client_request_id_header": "X-Request-Id",
+        "internal_request_id": "i" * 32,
+        "peer": "10.0.0.9",
+        "scheme": "http",
+        "body_rewritten": False,
+    }
+    options.update(overrides)
+    return upstream_request_headers(headers, **options)  # type: ignore[arg-type]
+
+
+def test_hop_by_hop_and_connection_named_headers_are_dropped() -> None:
+    """Connection-specific headers, including those named in Connection, stop at tether."""
+    sent = CIMultiDict(
+        [
+            ("connection", "keep-alive, X-Secret-Hop"),
+            ("Keep-Alive", "timeout=5"),
+            ("Transfer-Encoding", "chunked"),
+            ("te", "trailers"),
+            ("Upgrade", "h2c"),
+            ("Proxy-Authorization", "Basic x"),
+            ("x-secret-hop", "1"),
+            ("Authorization", "Bearer user-key"),
+            ("Accept", "text/event-stream"),
+        ]
+    )
+    result = _upstream(sent)
+    assert "Authorization" in result and "Accept" in result
+    for name in ("Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Upgrade",
+                 "Proxy-Authorization", "X-Secret-Hop"):
+        assert name not in result
+
+
+def test_internal_id_replaces_the_client_id_upstream() -> None:
+    """The engine sees only tether's ID, whatever header the client used."""
+    result = _upstream(
+        CIMultiDict([("x-correlation-id", "client"), ("X-Request-Id", "other")]),
+        client_request_id_header="X-Correlation-Id",
+    )
+    assert result.getall("X-Request-Id") == ["i" * 32]
+    assert "X-Correlation-Id" not in result
+
+
+def test_forwarded_headers_are_added_and_appended() -> None:
+    """X-Forwarded-For grows by the peer; proto and host are set."""
+    result = _upstream(CIMultiDict([("X-Forwarded-For", "1.2.3.4"), ("Host", "api.example")]))
+    assert result["X-Forwarded-For"] == "1.2.3.4, 10.0.0.9"
+    assert result["X-Forwarded-Proto"] == "http"
+    assert result["X-Forwarded-Host"] == "api.example"
+    assert "Host" not in result
+
+
+def test_rewritten_body_drops_the_old_length_and_expect_is_not_forwarded() -> None:
+    """A body tether rewrote gets a new length; `Expect` was answered by tether already."""
+    sent = CIMultiDict([("Content-Length", "10"), ("Expect", "100-continue")])
+    assert "Content-Length" in _upstream(sent)
+    result = _upstream(sent, body_rewritten=True)
+    assert "Content-Length" not in result and "Expect" not in result
+
+
+def test_response_carries_the_client_id_not_the_engine_echo() -> None:
+    """An engine echoing the internal ID (vLLM --enable-request-id-headers) is overridden."""
+    result = client_response_headers(
+        CIMultiDict([("x-request-id", "i" * 32), ("Content-Length", "5"), ("Connection", "close")]),
+        client_request_id_header="X-Request-Id",
+        client_request_id="mine",
+        body_rewritten=True,
+    )
+    assert result.getall("X-Request-Id") == ["mine"]
+    assert "Content-Length" not in result and "Connection" not in result
+
+
+_token = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-", min_size=1,
+                 max_size=12)
+
+
+@given(st.lists(st.tuples(_token, st.text(max_size=20)), max_size=12))
+def test_no_hop_by_hop_header_ever_crosses(headers: list[tuple[str, str]]) -> None:
+    """Whatever the client sends, no hop-by-hop header (any case) goes upstream or back."""
+    sent = CIMultiDict(headers)
+    for result in (
+        _upstream(sent),
+        client_response_headers(sent, client_request_id_header="X-Request-Id",
+                                client_request_id="c", body_rewritten=False),
+    ):
+        assert not {name.lower() for name in result} & HOP_BY_HOP
+        named = {
+            token.strip().lower()
+            for value in sent.getall("Connection", ())
+            for token in value.split(",")
+        }
+        added = {"x-request-id", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"}
+        assert not {name.lower() for name in result} & (named - added)

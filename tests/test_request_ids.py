@@ -1,0 +1,233 @@
+"""Every request is unique upstream; every client sees only its own ID."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.request_ids import (
+    IdMapper,
+    InvalidClientRequestId,
+    InvalidJsonBody,
+    check_client_request_id,
+    json_escaped,
+    mint_internal_request_id,
+    write_request_id_fields,
+)
+
+from .conftest import chat_body, sse_ids, url
+
+# --- pure: minting, checking, rewriting -------------------------------------------------------
+
+
+def test_internal_ids_are_fixed_length_hex_and_unique() -> None:
+    """Internal IDs are 32 hex characters (prefix-free, never `_<digit>`) and never repeat."""
+    ids = {mint_internal_request_id() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    assert all(re.fullmatch(r"[0-9a-f]{32}", value) for value in ids)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("", "empty"),
+        ("x" * 257, "limit is 256"),
+        ("a b", "visible ASCII"),
+        ("a\r\nX-Evil: 1", "visible ASCII"),
+        ("caf\u00e9", "visible ASCII"),
+        ("tab\there", "visible ASCII"),
+    ],
+)
+def test_unusable_client_ids_are_refused_with_a_reason(value: str, problem: str) -> None:
+    """Client IDs that could inject headers or logs, or bloat every chunk, are refused."""
+    with pytest.raises(InvalidClientRequestId, match=problem):
+        check_client_request_id(value)
+
+
+@pytest.mark.parametrize("value", ["abc", "x" * 256, 'quote"and\\backslash', "req-1_2.3:4/5"])
+def test_visible_ascii_client_ids_up_to_256_are_accepted(value: str) -> None:
+    """Any visible ASCII ID up to 256 characters is the client's to choose."""
+    assert check_client_request_id(value) == value
+
+
+def test_body_fields_are_set_and_others_kept() -> None:
+    """Writing the ID into a JSON body replaces only that field."""
+    body = json.dumps({"request_id": "client", "stream": True, "text": "héllo"}).encode()
+    rewritten = json.loads(write_request_id_fields(body, {"request_id": "internal"}))
+    assert rewritten == {"request_id": "internal", "stream": True, "text": "héllo"}
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_bodies_that_are_not_json_objects_are_refused(body: bytes) -> None:
+    """tether cannot write its ID into a body that is not a JSON object."""
+    with pytest.raises(InvalidJsonBody):
+        write_request_id_fields(body, {"rid": "x"})
+
+
+def _map_in_pieces(internal: str, client: str, data: bytes, cuts: list[int]) -> bytes:
+    mapper = IdMapper(internal, json_escaped(client))
+    out, start = [], 0
+    for cut in [*sorted(cuts), len(data)]:
+        out.append(mapper.feed(data[start:cut]))
+        start = cut
+    out.append(mapper.flush())
+    return b"".join(out)
+
+
+@given(
+    client=st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1,
+                   max_size=40),
+    fillers=st.lists(st.binary(max_size=30), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
+)
+def test_mapping_back_is_independent_of_chunk_boundaries(
+    client: str, fillers: list[bytes], cuts: list[int]
+) -> None:
+    """Wherever the network cuts the stream, every internal ID becomes the client's ID."""
+    internal = mint_internal_request_id()
+    data = internal.encode().join(fillers)
+    cuts = [cut for cut in cuts if cut <= len(data)]
+    expected = data.replace(internal.encode(), json_escaped(client))
+    assert _map_in_pieces(internal, client, data, cuts) == expected
+
+
+def test_mapped_ids_stay_valid_json_whatever_the_client_id() -> None:
+    """Quotes and backslashes in the client's ID are escaped inside JSON strings."""
+    internal = mint_internal_request_id()
+    body = json.dumps({"id": f"chatcmpl-{internal}"}).encode()
+    mapped = _map_in_pieces(internal, 'a"b\\c', body, [20])
+    assert json.loads(mapped) == {"id": 'chatcmpl-a"b\\c'}
+
+
+def test_mapper_holds_back_nothing_at_an_event_boundary() -> None:
+    """A chunk ending in a blank line is passed on whole: no added latency for SSE."""
+    internal = mint_internal_request_id()
+    mapper = IdMapper(internal, b"client")
+    event = b'data: {"id":"chatcmpl-' + internal.encode() + b'"}\n\n'
+    assert mapper.feed(event) == b'data: {"id":"chatcmpl-client"}\n\n'
+
+
+# --- through tether -----------------------------------------------------------------------------
+
+
+async def test_duplicate_client_ids_are_distinct_upstream_and_mapped_back(
+    fake_engine, tether, http
+) -> None:
+    """Two in-flight requests with one client ID are two requests to the engine, and each
+    client gets its own ID back in the header and in every event."""
+    engine, engine_url = await fake_engine(max_tokens=20, token_interval=0.005)
+    server = await tether(engine_url)
+
+    async def call() -> tuple[str, list[str]]:
+        async with http.post(url(server), json=chat_body(max_tokens=20),
+                             headers={"X-Request-Id": "dup"}) as response:
+            return response.headers["X-Request-Id"], sse_ids(await response.text())
+
+    results = await asyncio.gather(call(), call())
+
+    assert len(engine.generations) == 2
+    for internal_id in engine.generations:
+        assert re.fullmatch(r"[0-9a-f]{32}", internal_id)
+    for header, ids in results:
+        assert header == "dup"
+        assert ids and set(ids) == {"chatcmpl-dup"}
+
+
+async def test_client_without_an_id_gets_one(fake_engine, tether, http) -> None:
+    """A request without X-Request-Id gets a generated ID, in the header and the body."""
+    _, engine_url = await fake_engine(max_tokens=2)
+    server = await tether(engine_url)
+    async with http.post(url(server), json=chat_body(stream=False)) as response:
+        generated = response.headers["X-Request-Id"]
+        body = await response.json()
+    assert body["id"] == f"chatcmpl-{generated}"
+
+
+async def test_invalid_client_id_gets_a_400_and_never_reaches_the_engine(
+    fake_engine, tether, http
+) -> None:
+    """An oversized ID is refused with an OpenAI-style error naming the header."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    async with http.post(url(server), json=chat_body(), headers={"X-Request-Id": "x" * 300}) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["code"] == "invalid_request_id"
+    assert "X-Request-Id" in error["message"]
+    assert engine.requests == []
+
+
+async def test_custom_client_header_name(fake_engine, tether, http) -> None:
+    """TETHER_REQUEST_ID_HEADER names the header clients use; the engine still gets X-Request-Id."""
+    engine, engine_url = await fake_engine(max_tokens=1)
+    server = await tether(engine_url, request_id_header="X-Correlation-Id")
+    async with http.post(url(server), json=chat_body(stream=False),
+                         headers={"X-Correlation-Id": "corr-1"}) as response:
+        assert response.headers["X-Correlation-Id"] == "corr-1"
+        assert (await response.json())["id"] == "chatcmpl-corr-1"
+    assert "X-Correlation-Id" not in engine.requests[0].headers
+
+
+async def test_vllm_body_request_id_is_replaced(fake_engine, tether, http) -> None:
+    """A client's `request_id` in the body cannot reach vLLM either."""
+    engine, engine_url = await fake_engine(max_tokens=1)
+    server = await tether(engine_url)
+    body = {**chat_body(stream=False), "request_id": "client-chosen"}
+    async with http.post(url(server), json=body) as response:
+        assert response.status == 200
+    seen = json.loads(engine.requests[0].body)
+    assert seen["request_id"] == engine.requests[0].headers["X-Request-Id"]
+    assert seen["request_id"] != "client-chosen"
+
+
+async def test_sglang_gets_the_internal_id_as_rid(fake_engine, tether, http) -> None:
+    """For SGLang the internal ID goes into the body as `rid`, and comes back mapped."""
+    from proxy.fake_engine import AbortRoute
+
+    engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG, max_tokens=2)
+    server = await tether(engine_url, engine="sglang")
+    async with http.post(url(server), json=chat_body(), headers={"X-Request-Id": "sg"}) as r:
+        ids = sse_ids(await r.text())
+    [internal_id] = engine.generations
+    assert json.loads(engine.requests[0].body)["rid"] == internal_id
+    assert set(ids) == {"sg"}
+
+
+async def test_invalid_json_body_where_the_id_must_go_is_a_400(fake_engine, tether, http) -> None:
+    """SGLang needs the ID in the body: a body that is not JSON gets a clear 400."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url, engine="sglang")
+    async with http.post(url(server), data=b"{broken",
+                         headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["code"] == "invalid_request_body"
+    assert engine.requests == []
+
+
+async def test_registry_tracks_in_flight_requests_by_client_id(fake_engine, tether, http) -> None:
+    """While requests run, the registry maps the client ID to each internal ID; then empties."""
+    engine, engine_url = await fake_engine(max_tokens=10_000, token_interval=0.01)
+    server = await tether(engine_url)
+    responses = [
+        await http.post(url(server), json=chat_body(max_tokens=10_000),
+                        headers={"X-Request-Id": "tracked"})
+        for _ in range(2)
+    ]
+    for response in responses:
+        await response.content.readuntil(b"tok0")
+
+    found = server.context.registry.find("tracked")
+    assert {state.internal_request_id for state in found} == set(engine.generations)
+    for internal_id in engine.generations:
+        assert server.context.registry.find(internal_id)[0].client_request_id == "tracked"
+
+    for response in responses:
+        response.close()
+    async with asyncio.timeout(5):
+        await server.context.registry.wait_empty()
+    assert server.context.registry.find("tracked") == []
