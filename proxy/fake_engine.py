@@ -163,7 +163,11 @@ class FakeEngine:
         body = await request.read()
         self.requests.append(
             SeenRequest(
-                request.method, request.path_qs, CIMultiDict(request.headers), body, time.monotonic()
+                request.method,
+                request.path_qs,
+                CIMultiDict(request.headers),
+                body,
+                time.monotonic(),
             )
         )
         await self._notify()
@@ -179,7 +183,9 @@ class FakeEngine:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         self.requests.append(
-            SeenRequest(request.method, request.path, CIMultiDict(request.headers), body, time.monotonic())
+            SeenRequest(
+                request.method, request.path, CIMultiDict(request.headers), body, time.monotonic()
+            )
         )
         payload: dict[str, Any] = json.loads(body) if body else {}
         knobs = payload.get("fake", {})

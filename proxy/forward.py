@@ -128,10 +128,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     except TetherError as error:
         # 4c. Timeout or upstream failure: before the response started the client gets a
         # JSON error; after, its stream is cut so it can never pass for a complete one.
-        outcome = (
-            Outcome.TIMED_OUT if isinstance(error, RequestTimeoutError) else Outcome.UPSTREAM_FAILED
-        )
-        _stop_upstream(ctx, exchange, outcome)
+        # A timeout is tether's decision, so the engine is told; an upstream failure is the
+        # engine's own ending, and aborting a crashed engine would only add a storm of calls.
+        timed_out = isinstance(error, RequestTimeoutError)
+        outcome = Outcome.TIMED_OUT if timed_out else Outcome.UPSTREAM_FAILED
+        _stop_upstream(ctx, exchange, outcome, ask_engine=timed_out)
         ctx.metrics.upstream_errors.labels(error.code).inc()
         if exchange.client_response is not None and exchange.client_response.prepared:
             _finish(ctx, state, outcome, exchange.client_response.status, error)
@@ -360,7 +361,9 @@ def _why_cancelled(request: web.Request, state: RequestState, ctx: ProxyContext)
     return Outcome.SHUTDOWN_ABORTED if ctx.readiness.draining else Outcome.CLIENT_DISCONNECTED
 
 
-def _stop_upstream(ctx: ProxyContext, exchange: Exchange, outcome: Outcome) -> None:
+def _stop_upstream(
+    ctx: ProxyContext, exchange: Exchange, outcome: Outcome, *, ask_engine: bool = True
+) -> None:
     """Drop the upstream connection and ask the engine to abort, if it saw the request.
 
     `close()` (never `release()`) so the socket is not returned to the pool: an engine that
@@ -376,7 +379,7 @@ def _stop_upstream(ctx: ProxyContext, exchange: Exchange, outcome: Outcome) -> N
         )
     if exchange.upstream_response is not None:
         exchange.upstream_response.close()
-    if not state.upstream_contacted:
+    if not (state.upstream_contacted and ask_engine):
         return
     ctx.metrics.upstream_cancels.labels(outcome.value).inc()
     ctx.aborts.abort(

@@ -44,9 +44,7 @@ def _end_to_end(
     headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: Iterable[str]
 ) -> CIMultiDict[str]:
     drop = HOP_BY_HOP | _connection_named(headers) | {name.lower() for name in also_drop}
-    return CIMultiDict(
-        (name, value) for name, value in headers.items() if name.lower() not in drop
-    )
+    return CIMultiDict((name, value) for name, value in headers.items() if name.lower() not in drop)
 
 
 def upstream_request_headers(

@@ -86,7 +86,9 @@ class Settings(BaseSettings):
         description="Base URL of the engine, e.g. http://127.0.0.1:8000 (required)."
     )
     host: str = Field("0.0.0.0", description="Address clients connect to.")
-    port: int = Field(8080, ge=0, le=65535, description="Port clients connect to (0: any free port).")
+    port: int = Field(
+        8080, ge=0, le=65535, description="Port clients connect to (0: any free port)."
+    )
     admin_host: str = Field("0.0.0.0", description="Address of the admin port.")
     admin_port: int = Field(
         9090, ge=0, le=65535, description="Health, readiness, metrics and admin API."

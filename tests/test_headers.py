@@ -38,8 +38,15 @@ def test_hop_by_hop_and_connection_named_headers_are_dropped() -> None:
     )
     result = _upstream(sent)
     assert "Authorization" in result and "Accept" in result
-    for name in ("Connection", "Keep-Alive", "Transfer-Encoding", "TE", "Upgrade",
-                 "Proxy-Authorization", "X-Secret-Hop"):
+    for name in (
+        "Connection",
+        "Keep-Alive",
+        "Transfer-Encoding",
+        "TE",
+        "Upgrade",
+        "Proxy-Authorization",
+        "X-Secret-Hop",
+    ):
         assert name not in result
 
 
@@ -82,8 +89,9 @@ def test_response_carries_the_client_id_not_the_engine_echo() -> None:
     assert "Content-Length" not in result and "Connection" not in result
 
 
-_token = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-", min_size=1,
-                 max_size=12)
+_token = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-", min_size=1, max_size=12
+)
 
 
 @given(st.lists(st.tuples(_token, st.text(max_size=20)), max_size=12))
@@ -92,8 +100,12 @@ def test_no_hop_by_hop_header_ever_crosses(headers: list[tuple[str, str]]) -> No
     sent = CIMultiDict(headers)
     for result in (
         _upstream(sent),
-        client_response_headers(sent, client_request_id_header="X-Request-Id",
-                                client_request_id="c", body_rewritten=False),
+        client_response_headers(
+            sent,
+            client_request_id_header="X-Request-Id",
+            client_request_id="c",
+            body_rewritten=False,
+        ),
     ):
         assert not {name.lower() for name in result} & HOP_BY_HOP
         named = {

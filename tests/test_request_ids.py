@@ -80,8 +80,9 @@ def _map_in_pieces(internal: str, client: str, data: bytes, cuts: list[int]) -> 
 
 
 @given(
-    client=st.text(alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1,
-                   max_size=40),
+    client=st.text(
+        alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40
+    ),
     fillers=st.lists(st.binary(max_size=30), min_size=1, max_size=6),
     cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=8),
 )
@@ -124,8 +125,9 @@ async def test_duplicate_client_ids_are_distinct_upstream_and_mapped_back(
     server = await tether(engine_url)
 
     async def call() -> tuple[str, list[str]]:
-        async with http.post(url(server), json=chat_body(max_tokens=20),
-                             headers={"X-Request-Id": "dup"}) as response:
+        async with http.post(
+            url(server), json=chat_body(max_tokens=20), headers={"X-Request-Id": "dup"}
+        ) as response:
             return response.headers["X-Request-Id"], sse_ids(await response.text())
 
     results = await asyncio.gather(call(), call())
@@ -166,8 +168,9 @@ async def test_custom_client_header_name(fake_engine, tether, http) -> None:
     """TETHER_REQUEST_ID_HEADER names the header clients use; the engine still gets X-Request-Id."""
     engine, engine_url = await fake_engine(max_tokens=1)
     server = await tether(engine_url, request_id_header="X-Correlation-Id")
-    async with http.post(url(server), json=chat_body(stream=False),
-                         headers={"X-Correlation-Id": "corr-1"}) as response:
+    async with http.post(
+        url(server), json=chat_body(stream=False), headers={"X-Correlation-Id": "corr-1"}
+    ) as response:
         assert response.headers["X-Correlation-Id"] == "corr-1"
         assert (await response.json())["id"] == "chatcmpl-corr-1"
     assert "X-Correlation-Id" not in engine.requests[0].headers
@@ -202,8 +205,9 @@ async def test_invalid_json_body_where_the_id_must_go_is_a_400(fake_engine, teth
     """SGLang needs the ID in the body: a body that is not JSON gets a clear 400."""
     engine, engine_url = await fake_engine()
     server = await tether(engine_url, engine="sglang")
-    async with http.post(url(server), data=b"{broken",
-                         headers={"Content-Type": "application/json"}) as response:
+    async with http.post(
+        url(server), data=b"{broken", headers={"Content-Type": "application/json"}
+    ) as response:
         assert response.status == 400
         assert (await response.json())["error"]["code"] == "invalid_request_body"
     assert engine.requests == []
@@ -214,8 +218,9 @@ async def test_registry_tracks_in_flight_requests_by_client_id(fake_engine, teth
     engine, engine_url = await fake_engine(max_tokens=10_000, token_interval=0.01)
     server = await tether(engine_url)
     responses = [
-        await http.post(url(server), json=chat_body(max_tokens=10_000),
-                        headers={"X-Request-Id": "tracked"})
+        await http.post(
+            url(server), json=chat_body(max_tokens=10_000), headers={"X-Request-Id": "tracked"}
+        )
         for _ in range(2)
     ]
     for response in responses:

@@ -18,7 +18,9 @@ from .conftest import RawClient, chat_body, sse_ids, url
 
 def _events(internal_id: str) -> list[bytes]:
     return [
-        b'data: {"id":"chatcmpl-' + internal_id.encode() + b'","choices":[{"delta":{"content":"a"}}]}\n\n',
+        b'data: {"id":"chatcmpl-'
+        + internal_id.encode()
+        + b'","choices":[{"delta":{"content":"a"}}]}\n\n',
         b": keep-alive comment\n\n",
         b'data: {"id":"chatcmpl-' + internal_id.encode() + b'","choices":[],"usage":{"x":1}}\n\n',
         b"data: [DONE]\n\n",
@@ -165,7 +167,7 @@ async def test_status_and_error_body_pass_through(upstream_app, tether, http) ->
 async def test_engine_breaking_mid_stream_cuts_the_client_stream(fake_engine, tether) -> None:
     """If the engine dies after the response started, the client's stream ends without its
     terminating chunk, so no client mistakes it for a complete answer."""
-    engine, engine_url = await fake_engine(token_interval=0.001, max_tokens=50)
+    _engine, engine_url = await fake_engine(token_interval=0.001, max_tokens=50)
     server = await tether(engine_url)
     async with aiohttp.ClientSession() as session:
         async with session.post(url(server), json=chat_body(max_tokens=50, fail_after=3)) as r:
@@ -178,7 +180,7 @@ async def test_engine_breaking_mid_stream_cuts_the_client_stream(fake_engine, te
 
 async def test_query_string_and_method_reach_the_engine(fake_engine, tether, http) -> None:
     """Any method, path and query string is forwarded as sent."""
-    engine, engine_url = await fake_engine()
+    _engine, engine_url = await fake_engine()
     server = await tether(engine_url)
     target = URL(url(server, "/echo/some/path?a=1&b=%2F"), encoded=True)
     async with http.put(target, data=b"payload") as response:

@@ -1,0 +1,167 @@
+"""The abort call: right route and ID per engine, retried when the engine is busy, bounded in
+time, remembered when missing, never an empty list."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from proxy.fake_engine import AbortRoute, GenerationState
+
+from .conftest import RawClient, chat_body
+
+
+async def _leave_mid_stream(server, engine) -> str:  # type: ignore[no-untyped-def]
+    """Start a long stream, read a token, leave; return the internal ID once tether let go."""
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(max_tokens=10_000))
+    await client.read_until(b"tok0")
+    [internal_id] = [
+        g.request_id for g in engine.generations.values() if g.state is GenerationState.RUNNING
+    ]
+    client.close_fin()
+    async with asyncio.timeout(5):  # tether handed the abort over once the request is gone
+        await server.context.registry.wait_empty()
+    return internal_id
+
+
+def _count(server, result: str) -> float:  # type: ignore[no-untyped-def]
+    engine = server.settings.engine.value
+    return server.context.metrics.aborts.labels(engine, result)._value.get()
+
+
+async def test_abort_is_retried_while_the_engine_answers_503(fake_engine, tether) -> None:
+    """A busy engine (503) gets the abort again, with backoff, until it accepts it."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    engine.abort_failures = 2
+    server = await tether(engine_url)
+    internal_id = await _leave_mid_stream(server, engine)
+
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    assert [abort.status for abort in engine.aborts] == [503, 503, 200]
+    await server.context.aborts.drain()
+    assert _count(server, "ok") == 1
+
+
+async def test_abort_falls_back_to_the_scale_out_route(fake_engine, tether) -> None:
+    """Without dev mode, vLLM's /inference/v1/abort_requests (--enable-scale-out) is used."""
+    engine, engine_url = await fake_engine(abort_route=AbortRoute.SCALE_OUT, token_interval=0.01)
+    server = await tether(engine_url)
+    internal_id = await _leave_mid_stream(server, engine)
+
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    assert [(a.path, a.status) for a in engine.aborts] == [
+        ("/abort_requests", 404),
+        ("/inference/v1/abort_requests", 200),
+    ]
+
+
+async def test_engine_without_abort_route_is_detected_once(fake_engine, tether) -> None:
+    """A default `vllm serve` (404/403) is noticed, counted as not_supported, and not asked
+    again for every request; the dropped connection still reaches the engine."""
+    engine, engine_url = await fake_engine(
+        abort_route=AbortRoute.NONE, token_interval=0.01, hears_disconnects=True
+    )
+    server = await tether(engine_url)
+    first = await _leave_mid_stream(server, engine)
+    await engine.wait_for(lambda: engine.generation(first).state is GenerationState.ABORTED)
+    await server.context.aborts.drain()
+    second = await _leave_mid_stream(server, engine)
+    await engine.wait_for(lambda: engine.generation(second).state is GenerationState.ABORTED)
+    await server.context.aborts.drain()
+
+    assert [(a.path, a.status) for a in engine.aborts] == [
+        ("/abort_requests", 404),
+        ("/inference/v1/abort_requests", 403),
+    ]
+    assert _count(server, "not_supported") == 2
+    assert [request_id for request_id, _ in engine.disconnects] == [first, second]
+
+
+async def test_abort_attempts_stop_at_the_deadline(fake_engine, tether) -> None:
+    """An abort endpoint that hangs costs at most TETHER_ABORT_DEADLINE, then counts as failed."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    engine.abort_hangs = True
+    server = await tether(engine_url, abort_timeout=0.1, abort_deadline=0.3)
+    await _leave_mid_stream(server, engine)
+    await engine.wait_for(lambda: len(engine.aborts) >= 1)
+    loop = asyncio.get_running_loop()
+    first_attempt = loop.time()
+
+    await server.context.aborts.drain()
+
+    assert loop.time() - first_attempt < 0.5
+    assert _count(server, "failed") == 1
+    assert 1 <= len(engine.aborts) <= 3
+
+
+async def test_abort_is_repeated_once_shortly_after(fake_engine, tether) -> None:
+    """The abort goes out a second time, in case it overtook the request at the engine."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url, abort_repeat_delay=0.05)
+    internal_id = await _leave_mid_stream(server, engine)
+    await server.context.aborts.drain()
+    assert [a.ids for a in engine.aborts] == [(f"chatcmpl-{internal_id}",)] * 2
+
+
+async def test_completions_route_aborts_with_the_cmpl_prefix(fake_engine, tether) -> None:
+    """vLLM keys /v1/completions as cmpl-<id>; the abort names exactly that."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(
+        {"prompt": "x", "stream": True, "max_tokens": 10_000}, path="/v1/completions"
+    )
+    await client.read_until(b"tok0")
+    client.close_rst()
+    await engine.wait_for(lambda: engine.aborted_ids() != set())
+    [internal_id] = engine.aborted_ids()
+    assert engine.aborts[0].ids == (f"cmpl-{internal_id}",)
+
+
+async def test_sglang_abort_names_the_rid(fake_engine, tether) -> None:
+    """SGLang gets POST /abort_request {"rid": <internal>} with the admin key."""
+    engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG, token_interval=0.01)
+    server = await tether(engine_url, engine="sglang", upstream_admin_key="sekret")
+    internal_id = await _leave_mid_stream(server, engine)
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    assert engine.aborts[0].path == "/abort_request"
+    assert engine.aborts[0].ids == (internal_id,)
+
+
+async def test_generic_engine_uses_the_configured_template(upstream_app, tether) -> None:
+    """TETHER_ENGINE=generic sends the configured method, URL and body template."""
+    from aiohttp import web
+
+    from proxy.fake_engine import FakeEngine
+
+    engine = FakeEngine(token_interval=0.01)
+    calls: list[tuple[str, bytes, str | None]] = []
+
+    async def cancel(request: web.Request) -> web.Response:
+        calls.append((request.method, await request.read(), request.headers.get("Authorization")))
+        return web.Response(status=204)
+
+    engine.app.router.add_route("DELETE", "/v1/requests/cancel", cancel)
+    engine_url = await upstream_app(engine.app)
+    server = await tether(
+        engine_url,
+        engine="generic",
+        abort_url="/v1/requests/cancel",
+        abort_method="DELETE",
+        abort_body='{{"id": "{internal_request_id}"}}',
+        upstream_admin_key="k",
+    )
+    internal_id = await _leave_mid_stream(server, engine)
+    await server.context.aborts.drain()
+    assert calls == [("DELETE", json.dumps({"id": internal_id}).encode(), "Bearer k")]
+
+
+async def test_abort_never_sends_an_empty_list(fake_engine, tether) -> None:
+    """vLLM's dev route aborts *everything* on an empty list: every call names one request."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url)
+    for _ in range(3):
+        await _leave_mid_stream(server, engine)
+    await server.context.aborts.drain()
+    assert engine.aborts and all(len(abort.ids) >= 1 for abort in engine.aborts)

@@ -1,0 +1,94 @@
+"""Engine control routes are never reachable through tether, in any spelling."""
+
+from __future__ import annotations
+
+import pytest
+from yarl import URL
+
+from proxy.routes import is_blocked, normalised_path
+from proxy.settings import DEFAULT_BLOCKED_PATHS
+
+from .conftest import url
+
+SPELLINGS = [
+    "/abort_requests",
+    "//abort_requests",
+    "/%2Fabort_requests",
+    "/%2fabort_requests",
+    "/abort_requests/",
+    "/ABORT_REQUESTS",
+    "/v1/../abort_requests",
+    "/./abort_requests",
+    "/%61bort_requests",
+    "/%252Fabort_requests",
+    "/abort_requests?x=1",
+    "/abort_request",
+    "/inference/v1/abort_requests",
+    "/pause?mode=abort",
+    "/resume",
+    "/sleep",
+    "/wake_up",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/update_weights_from_disk",
+    "/init_weight_transfer_engine",
+]
+
+
+@pytest.mark.parametrize("path", SPELLINGS)
+def test_every_spelling_of_a_control_route_is_blocked(path: str) -> None:
+    """Encodings, case, duplicate slashes and dot segments do not get past the block list."""
+    assert is_blocked(path, DEFAULT_BLOCKED_PATHS)
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chat/completions", "/v1/completions", "/health", "/v1/models", "/metrics"]
+)
+def test_inference_routes_are_not_blocked(path: str) -> None:
+    """Ordinary API routes pass."""
+    assert not is_blocked(path, DEFAULT_BLOCKED_PATHS)
+
+
+def test_normalisation_is_stable() -> None:
+    """Normalising twice changes nothing."""
+    for path in SPELLINGS:
+        assert normalised_path(normalised_path(path)) == normalised_path(path)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/abort_requests",
+        "//abort_requests",
+        "/%2Fabort_requests",
+        "/abort_requests/",
+        "/ABORT_REQUESTS",
+        "/pause",
+    ],
+)
+async def test_blocked_route_gets_403_json_and_never_reaches_the_engine(
+    fake_engine, tether, http, path: str
+) -> None:
+    """A control route gets a 403 OpenAI-style error; the engine sees nothing."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    async with http.post(
+        URL(url(server, path), encoded=True), json={"request_ids": []}
+    ) as response:
+        assert response.status == 403
+        error = (await response.json())["error"]
+    assert error["code"] == "blocked_route"
+    assert error["type"] == "permission_error"
+    assert engine.aborts == [] and engine.requests == []
+
+
+async def test_block_list_is_configurable(fake_engine, tether, http) -> None:
+    """TETHER_BLOCKED_PATHS replaces the built-in list."""
+    _engine, engine_url = await fake_engine(max_tokens=1)
+    server = await tether(engine_url, blocked_paths="/v1/completions, /secret")
+    async with http.post(url(server, "/v1/completions"), json={"prompt": "x"}) as response:
+        assert response.status == 403
+    async with http.post(
+        url(server, "/v1/chat/completions"), json={"stream": False, "max_tokens": 1}
+    ) as response:
+        assert response.status == 200

@@ -1,0 +1,95 @@
+"""Configuration: every bad value stops start-up with exit code 2 naming the variable."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from proxy.settings import DEFAULT_BLOCKED_PATHS, Engine, Settings
+
+from .conftest import make_settings
+
+
+def _run_tether(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",  # no stray .env
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({}, "TETHER_UPSTREAM_URL: is required"),
+        ({"TETHER_UPSTREAM_URL": "localhost:8000"}, "TETHER_UPSTREAM_URL"),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "eighty"}, "TETHER_PORT"),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "70000"}, "TETHER_PORT"),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_ENGINE": "tgi"}, "TETHER_ENGINE"),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_CONNECT_TIMEOUT": "-1"},
+            "TETHER_CONNECT_TIMEOUT",
+        ),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_ENGINE": "generic"}, "TETHER_ABORT_URL"),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_ABORT_BODY": "{rid}"}, "TETHER_ABORT_BODY"),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_REQUEST_ID_HEADER": "X Bad"},
+            "TETHER_REQUEST_ID_HEADER",
+        ),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_LOG_LEVEL": "loud"}, "TETHER_LOG_LEVEL"),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_BLOCKED_PATHS": "abort"},
+            "TETHER_BLOCKED_PATHS",
+        ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "9000", "TETHER_ADMIN_PORT": "9000"},
+            "TETHER_ADMIN_PORT",
+        ),
+    ],
+)
+def test_bad_setting_exits_2_naming_the_variable(env: dict[str, str], named: str) -> None:
+    """tether refuses to start on a bad value and says which variable to fix."""
+    result = _run_tether(**env)
+    assert result.returncode == 2
+    assert named in result.stderr
+
+
+def test_help_lists_every_variable_with_its_default() -> None:
+    """`tether --help` documents every TETHER_* variable."""
+    result = _run_tether("--help")
+    assert result.returncode == 0
+    for name, _field in Settings.model_fields.items():
+        assert f"TETHER_{name.upper()}" in result.stdout
+    assert "X-Request-Id" in result.stdout and "(required)" in result.stdout
+
+
+def test_defaults_match_the_documented_ones() -> None:
+    """Unset variables take the documented defaults."""
+    settings = make_settings(
+        port=8080, admin_port=9090, shutdown_grace=30, host="0.0.0.0", admin_host="0.0.0.0"
+    )
+    assert (settings.port, settings.admin_port, settings.engine) == (8080, 9090, Engine.VLLM)
+    assert settings.request_id_header == "X-Request-Id"
+    assert settings.connect_timeout == 5
+    assert settings.request_timeout is None and settings.stream_idle_timeout is None
+    assert settings.blocked_paths == DEFAULT_BLOCKED_PATHS
+
+
+def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Production reads TETHER_* variables; lists are comma-separated."""
+    monkeypatch.setenv("TETHER_UPSTREAM_URL", "http://engine:8000/")
+    monkeypatch.setenv("TETHER_ENGINE", "sglang")
+    monkeypatch.setenv("TETHER_BLOCKED_PATHS", "/a, /B/")
+    monkeypatch.setenv("TETHER_REQUEST_TIMEOUT", "12.5")
+    settings = Settings()  # type: ignore[call-arg]
+    assert settings.upstream_url == "http://engine:8000"
+    assert settings.engine is Engine.SGLANG
+    assert settings.blocked_paths == ("/a", "/b")
+    assert settings.request_timeout == 12.5
