@@ -1,0 +1,220 @@
+"""The admin port: probes that tell the truth, metrics that move, the in-flight list and
+abort by ID behind a token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.fake_engine import GenerationState
+
+from .conftest import RawClient, admin_url, chat_body, url
+
+
+async def _poll_status(http: aiohttp.ClientSession, target: str, status: int) -> dict:  # type: ignore[type-arg]
+    """Poll a probe until it answers `status` (probes are polled, like kubelet does)."""
+    async with asyncio.timeout(5):
+        while True:
+            async with http.get(target) as response:
+                if response.status == status:
+                    return await response.json()  # type: ignore[no-any-return]
+            await asyncio.sleep(0.02)
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_healthz_answers_while_the_process_serves(fake_engine, tether, http) -> None:
+    """Liveness does not depend on the engine."""
+    server = await tether("http://127.0.0.1:9")
+    async with http.get(admin_url(server, "/healthz")) as response:
+        assert response.status == 200
+
+
+async def test_readyz_follows_the_engine_health(fake_engine, tether, http) -> None:
+    """Ready while the engine's /health passes, 503 with a reason while it fails, and back."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    await _poll_status(http, admin_url(server, "/readyz"), 200)
+
+    engine.healthy = False
+    body = await _poll_status(http, admin_url(server, "/readyz"), 503)
+    assert "503" in body["reason"]
+
+    engine.healthy = True
+    await _poll_status(http, admin_url(server, "/readyz"), 200)
+
+
+async def test_readyz_is_503_when_the_engine_is_unreachable(tether, http) -> None:
+    """No engine at all: not ready, and the reason says why."""
+    server = await tether("http://127.0.0.1:9")
+    body = await _poll_status(http, admin_url(server, "/readyz"), 503)
+    assert "failed" in body["reason"]
+
+
+async def test_metrics_count_disconnects_and_aborts(fake_engine, tether, http) -> None:
+    """After a disconnect, /metrics shows it by phase, the abort by result and its latency."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url)
+    async with http.post(url(server), json=chat_body(max_tokens=3)) as response:
+        await response.read()
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(max_tokens=10_000))
+    await client.read_until(b"tok0")
+    client.close_fin()
+    await engine.wait_for(lambda: engine.aborted_ids() != set())
+    await server.context.aborts.drain()
+
+    async with http.get(admin_url(server, "/metrics")) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        samples = _samples(await response.text())
+    route = (("route", "/v1/chat/completions"), ("status_class", "2xx"))
+    assert samples[("tether_requests_total", route)] == 1
+    assert samples[("tether_requests_total", (route[0], ("status_class", "4xx")))] == 1  # 499
+    assert samples[("tether_client_disconnects_total", (("phase", "streaming"),))] == 1
+    assert samples[("tether_aborts_total", (("engine", "vllm"), ("result", "ok")))] == 1
+    assert samples[("tether_abort_latency_seconds_count", ())] == 1
+    assert samples[("tether_requests_in_flight", ())] == 0
+    assert samples[("tether_request_outcomes_total", (("outcome", "client_disconnected"),))] == 1
+    assert samples[("tether_sse_events_total", ())] >= 6
+    assert samples[("tether_response_bytes_total", ())] > 0
+    assert samples[("tether_time_to_first_byte_seconds_count", (route[:1]))] == 2
+
+
+async def test_metric_labels_stay_bounded(fake_engine, tether, http) -> None:
+    """Unknown paths are counted as route="other", never by their raw path."""
+    _engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    for index in range(5):
+        async with http.get(url(server, f"/random/{index}")) as response:
+            await response.read()
+    async with http.get(admin_url(server, "/metrics")) as response:
+        text = await response.text()
+    assert "/random/" not in text
+    assert 'tether_requests_total{route="other",status_class="4xx"} 5.0' in text
+
+
+async def test_in_flight_requests_are_listed(fake_engine, tether, http) -> None:
+    """/admin/requests shows both IDs, method, path, phase, age and bytes of each request."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url)
+    stream = await http.post(
+        url(server), json=chat_body(max_tokens=10_000), headers={"X-Request-Id": "listed"}
+    )
+    await stream.content.readuntil(b"tok0")
+
+    async with http.get(admin_url(server, "/admin/requests")) as response:
+        [listed] = (await response.json())["requests"]
+    stream.close()
+    [internal_id] = engine.generations
+    assert listed["client_request_id"] == "listed"
+    assert listed["internal_request_id"] == internal_id
+    assert (listed["method"], listed["path"], listed["phase"]) == (
+        "POST",
+        "/v1/chat/completions",
+        "streaming",
+    )
+    assert listed["age_seconds"] >= 0 and listed["bytes_out"] > 0
+
+
+async def test_admin_abort_is_refused_without_a_configured_token(fake_engine, tether, http) -> None:
+    """With no TETHER_ADMIN_TOKEN, mutations answer 403 saying how to enable them."""
+    server = await tether("http://127.0.0.1:9")
+    async with http.post(admin_url(server, "/admin/abort"), json={"request_id": "x"}) as r:
+        assert r.status == 403
+        assert "TETHER_ADMIN_TOKEN" in (await r.json())["error"]["message"]
+
+
+async def test_admin_abort_needs_the_right_token(fake_engine, tether, http) -> None:
+    """A missing or wrong bearer token gets 401."""
+    server = await tether("http://127.0.0.1:9", admin_token="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        async with http.post(
+            admin_url(server, "/admin/abort"), json={"request_id": "x"}, headers=headers
+        ) as response:
+            assert response.status == 401
+
+
+async def test_admin_abort_by_client_id_aborts_every_match(fake_engine, tether, http) -> None:
+    """Every in-flight request with that client ID is cut and aborted upstream, exactly as on
+    a disconnect; the answer lists the internal IDs."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url, admin_token="s3cret")
+    streams = [
+        await http.post(
+            url(server), json=chat_body(max_tokens=10_000), headers={"X-Request-Id": "runaway"}
+        )
+        for _ in range(2)
+    ]
+    for stream in streams:
+        await stream.content.readuntil(b"tok0")
+
+    async with http.post(
+        admin_url(server, "/admin/abort"),
+        json={"request_id": "runaway"},
+        headers={"Authorization": "Bearer s3cret"},
+    ) as response:
+        assert response.status == 200
+        aborted = (await response.json())["aborted"]
+
+    assert sorted(aborted) == sorted(engine.generations)
+    for stream in streams:
+        try:
+            await stream.read()
+            raise AssertionError("the stream should have been cut")
+        except aiohttp.ClientPayloadError:
+            pass
+    await engine.wait_for(lambda: engine.aborted_ids() == set(aborted))
+    await server.context.aborts.drain()
+    assert server.context.metrics.outcomes.labels("admin_aborted")._value.get() == 2
+    assert server.context.metrics.client_disconnects.labels("streaming")._value.get() == 0
+
+
+async def test_admin_abort_by_internal_id(fake_engine, tether, http) -> None:
+    """The internal ID from the logs works as well."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url, admin_token="s3cret")
+    stream = await http.post(url(server), json=chat_body(max_tokens=10_000))
+    await stream.content.readuntil(b"tok0")
+    [internal_id] = engine.generations
+
+    async with http.post(
+        admin_url(server, "/admin/abort"),
+        json={"request_id": internal_id},
+        headers={"Authorization": "Bearer s3cret"},
+    ) as response:
+        assert (await response.json())["aborted"] == [internal_id]
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+    stream.close()
+
+
+async def test_admin_abort_of_an_unknown_id_aborts_nothing(tether, http) -> None:
+    """An ID with nothing in flight is answered with an empty list."""
+    server = await tether("http://127.0.0.1:9", admin_token="t")
+    async with http.post(
+        admin_url(server, "/admin/abort"),
+        json={"request_id": "nope"},
+        headers={"Authorization": "Bearer t"},
+    ) as response:
+        assert (await response.json()) == {"request_id": "nope", "aborted": []}
+    async with http.post(
+        admin_url(server, "/admin/abort"), data=b"{", headers={"Authorization": "Bearer t"}
+    ) as response:
+        assert response.status == 400
+
+
+async def test_admin_api_is_not_on_the_client_port(fake_engine, tether, http) -> None:
+    """The client port forwards everything to the engine; tether's own endpoints are not there."""
+    _engine, engine_url = await fake_engine()
+    server = await tether(engine_url, admin_token="t")
+    async with http.post(
+        url(server, "/admin/abort"), json={"request_id": "x"}, headers={"Authorization": "Bearer t"}
+    ) as response:
+        assert response.status == 404  # the engine's answer
