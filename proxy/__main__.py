@@ -6,6 +6,7 @@ import asyncio
 import signal
 import sys
 
+import prometheus_client
 import uvloop
 from pydantic import ValidationError
 
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {line}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
+    # `*_created` series double the exposition for no use in Prometheus queries.
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     uvloop.run(_run(settings))
     return 0
 

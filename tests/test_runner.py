@@ -1,0 +1,27 @@
+"""The production runner's socket options: what makes disconnects visible at the socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from proxy.runner import listening_socket
+
+
+async def test_accepted_connections_inherit_keepalive_and_nodelay() -> None:
+    """Client sockets probe a silent peer after TETHER_TCP_KEEPALIVE_IDLE seconds (a client
+    that vanished without FIN or RST is found) and send small SSE writes at once."""
+    listener = listening_socket("127.0.0.1", 0, keepalive_idle=17)
+    port = listener.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    client = socket.create_connection(("127.0.0.1", port))
+    try:
+        accepted, _ = await loop.sock_accept(listener)
+        with accepted:
+            assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 17
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        client.close()
+        listener.close()
