@@ -16,13 +16,23 @@ from .settings import Settings
 
 Body = bytes | AsyncIterable[bytes] | None
 
+# Idle pooled connections are closed after this long: below uvicorn's default keep-alive of
+# 5 s (vLLM, SGLang), so tether never sends a request on a connection the engine is closing.
+UPSTREAM_KEEPALIVE_SECONDS = 4.0
+
 
 class UpstreamClient:
     """Sends client requests, abort calls and health checks to the engine."""
 
-    def __init__(self, settings: Settings, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        session: aiohttp.ClientSession,
+        health_session: aiohttp.ClientSession,
+    ) -> None:
         self._base_url = settings.upstream_url
         self._session = session
+        self._health_session = health_session
         self._request_timeout = aiohttp.ClientTimeout(
             total=None, connect=settings.connect_timeout, sock_connect=settings.connect_timeout
         )
@@ -38,6 +48,7 @@ class UpstreamClient:
     async def open(cls, settings: Settings) -> AsyncIterator[UpstreamClient]:
         connector = aiohttp.TCPConnector(
             limit=0,  # the engine's own admission control decides, not a pool size
+            keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS,
             ttl_dns_cache=60,
             enable_cleanup_closed=True,
         )
@@ -50,10 +61,18 @@ class UpstreamClient:
             cookie_jar=aiohttp.DummyCookieJar(),
             read_bufsize=2**16,
         )
+        # Health checks open a fresh connection each time: they prove the engine still accepts
+        # connections, and they do not keep the request pool's idle connections alive (the
+        # pool hands out its oldest connection first, so frequent checks would touch them all).
+        health_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True, limit=1),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
         try:
-            yield cls(settings, session)
+            yield cls(settings, session, health_session)
         finally:
             await session.close()
+            await health_session.close()
 
     async def send(
         self, method: str, path_qs: str, headers: CIMultiDict[str], body: Body
@@ -101,7 +120,7 @@ class UpstreamClient:
     async def check_health(self) -> str | None:
         """None when the engine's health endpoint answers 2xx, else the reason it is not."""
         try:
-            async with self._session.get(
+            async with self._health_session.get(
                 self._health_url, timeout=self._health_timeout, allow_redirects=False
             ) as response:
                 await response.read()

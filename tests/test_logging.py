@@ -18,9 +18,11 @@ async def test_every_line_is_json_and_requests_are_summarised(fake_engine) -> No
     engine, engine_url = await fake_engine(token_interval=0.01)
     process, port, _ = await _start_tether(engine_url, TETHER_LOG_FORMAT="json")
     async with aiohttp.ClientSession() as session:
-        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                json=chat_body(max_tokens=2),
-                                headers={"X-Request-Id": "done-1"}) as response:
+        async with session.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json=chat_body(max_tokens=2),
+            headers={"X-Request-Id": "done-1"},
+        ) as response:
             await response.read()
     client = await RawClient.connect(port)
     await client.send_request(chat_body(max_tokens=10_000), headers={"X-Request-Id": "gone-1"})
@@ -38,8 +40,7 @@ async def test_every_line_is_json_and_requests_are_summarised(fake_engine) -> No
     assert (gone["status"], gone["outcome"]) == (499, "client_disconnected")
     for event in (done, gone):
         assert len(event["internal_request_id"]) == 32
-        for key in ("method", "path", "duration_ms", "ttfb_ms", "bytes_out", "timestamp",
-                    "level"):
+        for key in ("method", "path", "duration_ms", "ttfb_ms", "bytes_out", "timestamp", "level"):
             assert key in event
     [disconnect] = [e for e in events if e["event"] == "client_disconnected"]
     assert disconnect["phase"] == "streaming"

@@ -1,0 +1,763 @@
+"""Hostile or broken clients: slow, oversized, malformed, pipelined, half-closed or too slow
+to read. Whatever they send, nothing unchecked reaches the engine, nothing is left running
+upstream, and tether's registry and metrics stay consistent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import structlog
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.fake_engine import AbortRoute, FakeEngine, SeenRequest
+from proxy.runner import TetherServer
+from proxy.settings import Settings
+
+from .conftest import RawClient, chat_body
+
+# Timeout tests run with short limits so that the file stays fast.
+HEADER_TIMEOUT = 0.3
+BODY_TIMEOUT = 0.3
+
+
+# --- helpers: a raw HTTP/1.x reader and the checks every test ends with -----------------------
+
+
+@dataclass
+class Reply:
+    """One HTTP response as the client received it."""
+
+    version: str
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def read_reply(reader: asyncio.StreamReader, timeout: float = 5.0) -> Reply:
+    """Read one response: framed by Content-Length, chunked encoding or connection close."""
+    async with asyncio.timeout(timeout):
+        head = await reader.readuntil(b"\r\n\r\n")
+        status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
+        version, status, *_ = status_line.split(" ", 2)
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers.add(name, value.strip())
+        code = int(status)
+        if 100 <= code < 200 or code in (204, 304):
+            body = b""
+        elif headers.get("Transfer-Encoding", "").lower() == "chunked":
+            body = await _read_chunked(reader)
+        elif "Content-Length" in headers:
+            body = await reader.readexactly(int(headers["Content-Length"]))
+        else:
+            body = await reader.read()  # delimited by the connection's end
+    return Reply(version, code, headers, body)
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    parts = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":
+                pass  # trailers
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+
+
+async def read_to_end(reader: asyncio.StreamReader, timeout: float = 5.0) -> bytes:
+    """Everything the server still sends, until it closes the connection."""
+    async with asyncio.timeout(timeout):
+        return await reader.read()
+
+
+async def send_raw(client: RawClient, data: bytes) -> None:
+    client.writer.write(data)
+    await client.writer.drain()
+
+
+def head(
+    path: str = "/v1/chat/completions",
+    *,
+    method: str = "POST",
+    version: str = "HTTP/1.1",
+    headers: list[tuple[str, str]] | None = None,
+) -> bytes:
+    lines = [f"{method} {path} {version}", "Host: tether", *(f"{n}: {v}" for n, v in headers or [])]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def json_request(
+    body: dict[str, Any], request_id: str, path: str = "/v1/chat/completions"
+) -> bytes:
+    payload = json.dumps(body).encode()
+    return (
+        head(
+            path,
+            headers=[
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(payload))),
+                ("X-Request-Id", request_id),
+            ],
+        )
+        + payload
+    )
+
+
+def counter(metric: Any, *labels: str) -> float:
+    return float(metric.labels(*labels)._value.get())
+
+
+async def settled(server: TetherServer) -> None:
+    """No request left in flight: the registry is empty and the gauge agrees."""
+    async with asyncio.timeout(5):
+        await server.context.registry.wait_empty()
+    assert server.context.metrics.in_flight._value.get() == 0
+
+
+async def no_task_left(before: set[asyncio.Task[Any]]) -> None:
+    """Every task started since `before` (connection handlers) has finished."""
+    new = asyncio.all_tasks() - before - {asyncio.current_task()}
+    if new:
+        _, pending = await asyncio.wait(new, timeout=2)
+        assert not pending, f"tasks left behind: {pending}"
+
+
+def nothing_reached(engine: FakeEngine) -> None:
+    assert engine.requests == []
+    assert engine.generations == {}
+
+
+def require_setting(name: str) -> None:
+    """Unknown settings are ignored (extra="ignore"): fail fast until tether has this one."""
+    assert name in Settings.model_fields, f"tether has no setting {name!r} yet"
+
+
+@pytest.fixture
+def logged(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], str]]:
+    """Everything logged so far, tether's events and aiohttp's records, with every value as the
+    raw string a console renderer would print (nothing escaped here)."""
+    caplog.set_level(logging.DEBUG)
+    with structlog.testing.capture_logs() as events:
+
+        def text() -> str:
+            lines = [" ".join(str(value) for value in event.values()) for event in events]
+            for record in caplog.records:
+                lines.append(record.getMessage())
+                if record.exc_info and record.exc_info[1] is not None:
+                    lines.append(str(record.exc_info[1]))
+            return "\n".join(lines)
+
+        yield text
+
+
+def upload_engine() -> tuple[FakeEngine, asyncio.Event]:
+    """The fake engine plus a route that reads a streamed upload and records it."""
+    engine = FakeEngine()
+    head_received = asyncio.Event()
+
+    async def upload(request: web.Request) -> web.Response:
+        head_received.set()
+        body = await request.read()
+        seen = SeenRequest(
+            request.method, request.path, CIMultiDict(request.headers), body, time.monotonic()
+        )
+        engine.requests.append(seen)
+        return web.json_response({"received": len(body)})
+
+    engine.app.router.add_post("/v1/audio/transcriptions", upload)
+    return engine, head_received
+
+
+async def assert_closed(client: RawClient) -> None:
+    """tether closed the connection (FIN, or RST when it left unread bytes behind)."""
+    try:
+        assert await read_to_end(client.reader) == b""
+    except ConnectionResetError:
+        pass
+
+
+# --- slow clients: bounded by the client timeouts ---------------------------------------------
+
+needs_header_timeout = pytest.mark.xfail(strict=True, reason="needs TETHER_CLIENT_HEADER_TIMEOUT")
+needs_body_timeout = pytest.mark.xfail(strict=True, reason="needs TETHER_CLIENT_BODY_TIMEOUT")
+
+
+def cut_answer(answer: bytes) -> bool:
+    """What a client cut by a timeout may see before the close: nothing, or a 408."""
+    return answer == b"" or answer.split(b" ", 2)[1:2] == [b"408"]
+
+
+@needs_header_timeout
+async def test_head_dribbled_byte_by_byte_is_cut_at_the_header_timeout(fake_engine, tether) -> None:
+    """A head that keeps arriving one byte at a time is cut when the header timeout expires:
+    the limit is on the whole head, not on silence."""
+    require_setting("client_header_timeout")
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url, client_header_timeout=HEADER_TIMEOUT, health_interval=60)
+    before = asyncio.all_tasks()
+    started = time.monotonic()
+    client = await RawClient.connect(server.port)
+    endless = head(headers=[("X-Pad", "p" * 10_000)])  # far from complete at this pace
+
+    async def dribble() -> None:
+        for byte in endless:
+            client.writer.write(bytes([byte]))
+            await asyncio.sleep(0.02)  # the client's pace, not a synchronisation
+
+    dribbler = asyncio.create_task(dribble())
+    try:
+        answer = await read_to_end(client.reader, HEADER_TIMEOUT + 3)
+    finally:
+        dribbler.cancel()
+    assert time.monotonic() - started >= HEADER_TIMEOUT - 0.05
+    assert cut_answer(answer)
+    nothing_reached(engine)
+    await settled(server)
+    await no_task_left(before)
+
+
+@needs_header_timeout
+async def test_head_never_finished_is_cut_at_the_header_timeout(fake_engine, tether) -> None:
+    """A client that sends part of a head and then nothing is cut at the header timeout."""
+    require_setting("client_header_timeout")
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url, client_header_timeout=HEADER_TIMEOUT, health_interval=60)
+    before = asyncio.all_tasks()
+    client = await RawClient.connect(server.port)
+    await send_raw(client, head()[:-2])  # the blank line that ends the head never comes
+
+    answer = await read_to_end(client.reader, HEADER_TIMEOUT + 3)
+
+    assert cut_answer(answer)
+    nothing_reached(engine)
+    await settled(server)
+    await no_task_left(before)
+
+
+@needs_header_timeout
+async def test_idle_keep_alive_connection_outlives_the_header_timeout(fake_engine, tether) -> None:
+    """The header timeout runs from the first byte of a request, so a pooled keep-alive
+    connection that idles between requests is not dropped by it."""
+    require_setting("client_header_timeout")
+    _, engine_url = await fake_engine(max_tokens=1)
+    server = await tether(engine_url, client_header_timeout=HEADER_TIMEOUT)
+    client = await RawClient.connect(server.port)
+    await send_raw(client, json_request(chat_body(stream=False, max_tokens=1), "one"))
+    assert (await read_reply(client.reader)).status == 200
+
+    await asyncio.sleep(HEADER_TIMEOUT * 2)  # the behaviour under test: idling
+    await send_raw(client, json_request(chat_body(stream=False, max_tokens=1), "two"))
+
+    reply = await read_reply(client.reader)
+    assert (reply.status, reply.json()["id"]) == (200, "chatcmpl-two")
+    await settled(server)
+
+
+@needs_body_timeout
+@pytest.mark.parametrize("kind", ["json", "streamed"])
+async def test_silent_body_upload_is_cut_at_the_body_timeout(
+    fake_engine, upstream_app, tether, kind
+) -> None:
+    """A body that stops arriving is cut after TETHER_CLIENT_BODY_TIMEOUT of silence: a JSON
+    body (read whole) never reaches the engine, a streamed one is aborted upstream."""
+    require_setting("client_body_timeout")
+    if kind == "json":
+        engine, engine_url = await fake_engine()
+        path, content_type, head_received = "/v1/chat/completions", "application/json", None
+    else:
+        engine, head_received = upload_engine()
+        engine_url = await upstream_app(engine.app)
+        path, content_type = "/v1/audio/transcriptions", "application/octet-stream"
+    server = await tether(engine_url, client_body_timeout=BODY_TIMEOUT, health_interval=60)
+    before = asyncio.all_tasks()
+    client = await RawClient.connect(server.port)
+    await client.send_request(
+        b"x" * 100_000, path=path, content_type=content_type, body_bytes_now=1000
+    )
+    if head_received is not None:
+        await asyncio.wait_for(head_received.wait(), 5)
+
+    answer = await read_to_end(client.reader, BODY_TIMEOUT + 3)
+
+    assert cut_answer(answer)
+    await settled(server)
+    metrics = server.context.metrics
+    assert counter(metrics.outcomes, "completed") == 0
+    if kind == "json":
+        nothing_reached(engine)
+    else:
+        await engine.wait_for(lambda: len(engine.aborts) == 1)
+        assert counter(metrics.upstream_cancels, "client_disconnected") == 1
+    await server.context.aborts.drain()
+    await no_task_left(before)
+
+
+@needs_body_timeout
+async def test_slow_but_steady_body_upload_is_not_cut(fake_engine, tether) -> None:
+    """The body timeout limits silence, not the upload: a body that keeps arriving more slowly
+    than the timeout in total is forwarded whole."""
+    require_setting("client_body_timeout")
+    engine, engine_url = await fake_engine(max_tokens=1)
+    server = await tether(engine_url, client_body_timeout=BODY_TIMEOUT)
+    client = await RawClient.connect(server.port)
+    request = json_request(chat_body(stream=False, max_tokens=1), "steady")
+    split = request.index(b"\r\n\r\n") + 4
+    await send_raw(client, request[:split])
+    body, pieces = request[split:], 8
+    for index in range(pieces):  # about 0.8 s in total, never silent for BODY_TIMEOUT
+        await asyncio.sleep(BODY_TIMEOUT / 3)
+        await send_raw(
+            client, body[index * len(body) // pieces : (index + 1) * len(body) // pieces]
+        )
+
+    reply = await read_reply(client.reader)
+
+    assert (reply.status, reply.json()["id"]) == (200, "chatcmpl-steady")
+    assert json.loads(engine.requests[0].body)["messages"] == chat_body()["messages"]
+    await settled(server)
+
+
+# --- oversized and malformed heads: refused by the HTTP parser, before tether's handler -------
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param([("X-Request-Id", "i" * 100_000)], id="100KB-request-id"),
+        pytest.param([("X-Pad", "p" * 100_000)], id="100KB-header"),
+        pytest.param([(f"X-Pad-{index}", "p") for index in range(200)], id="200-headers"),
+    ],
+)
+async def test_oversized_head_is_refused_before_the_engine(fake_engine, tether, extra) -> None:
+    """A head over the parser's limits (16 KB a line, 128 headers) gets a plain 400 from
+    aiohttp (not 431, not JSON) and the connection is closed; nothing reaches the engine."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await send_raw(client, head(headers=[("Content-Length", "0"), *extra]))
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 400
+    assert reply.headers["Content-Type"].startswith("text/plain")
+    await assert_closed(client)
+    nothing_reached(engine)
+    await settled(server)
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [
+        pytest.param([("Content-Length", "5"), ("Transfer-Encoding", "chunked")], id="CL+TE"),
+        pytest.param([("Content-Length", "5"), ("Content-Length", "6")], id="two-CL"),
+        pytest.param([("Content-Length", "-1")], id="negative-CL"),
+        pytest.param([("Transfer-Encoding", "gzip, chunked, identity")], id="TE-not-last"),
+    ],
+)
+async def test_ambiguous_body_framing_is_refused_before_the_engine(
+    fake_engine, tether, framing
+) -> None:
+    """Request-smuggling framings (both lengths, two lengths, bad encodings) are refused with
+    400 and the connection closed; nothing reaches the engine."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await send_raw(client, head(path="/echo/smuggle", headers=framing) + b"0\r\n\r\n")
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 400
+    await assert_closed(client)
+    nothing_reached(engine)
+    await settled(server)
+
+
+# --- request IDs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("second_line", ["X-Evil: 1", "X-Request-Id: second"])
+async def test_crlf_in_a_request_id_only_makes_another_header(
+    fake_engine, tether, second_line
+) -> None:
+    """`X-Request-Id: a<CR><LF>X-Evil: 1` is simply two headers: the client keeps the first ID,
+    the engine sees only tether's ID (never a second request ID)."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await send_raw(
+        client,
+        head("/echo/ids", method="GET", headers=[("X-Request-Id", "a")])[:-2]
+        + second_line.encode()
+        + b"\r\n\r\n",
+    )
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 200
+    assert reply.headers.getall("X-Request-Id") == ["a"]
+    [seen] = engine.requests
+    [internal_id] = seen.headers.getall("X-Request-Id")
+    assert len(internal_id) == 32 and internal_id != "a"
+    if second_line.startswith("X-Evil"):
+        assert seen.headers["X-Evil"] == "1"  # an ordinary header, like any the client sends
+    assert server.context.registry.find("a") == []
+    await settled(server)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(b"a\rX-Evil: 1", id="bare-CR"),
+        pytest.param(b"a\nX-Evil: 1", id="bare-LF"),
+        pytest.param(b"a\r\n X-Evil: 1", id="obs-fold"),
+        pytest.param(b"a\x00X-Evil: 1", id="NUL"),
+    ],
+)
+async def test_control_bytes_in_a_request_id_are_refused_by_the_parser(
+    fake_engine, tether, logged, value
+) -> None:
+    """Bare CR, bare LF, obs-fold continuations and NUL never make a header: the parser answers
+    400 and closes; nothing reaches the engine, and no log line carries the raw bytes."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await send_raw(
+        client, b"GET /echo/ids HTTP/1.1\r\nHost: t\r\nX-Request-Id: " + value + b"\r\n\r\n"
+    )
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 400
+    await assert_closed(client)
+    nothing_reached(engine)
+    await settled(server)
+    text = logged()
+    assert "X-Evil" in text  # aiohttp logged the refusal, escaped (repr of the bytes)
+    assert value.decode() not in text
+    assert "\nX-Evil" not in text and "\n X-Evil" not in text
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param("café-☃".encode(), id="utf-8"),
+        pytest.param(b"caf\xe9", id="latin-1-byte"),
+        pytest.param(b"a\tb", id="tab"),
+        pytest.param(b"a b", id="space"),
+        pytest.param(b"i" * 10_000, id="10KB"),
+    ],
+)
+async def test_ids_tether_cannot_echo_get_a_json_400(fake_engine, tether, logged, value) -> None:
+    """An ID the parser accepts but tether cannot log, echo or write into JSON safely gets an
+    OpenAI-style 400 from tether, is not echoed, and never reaches the engine or the logs."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await send_raw(
+        client,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n"
+        b"X-Request-Id: " + value + b"\r\n\r\n",
+    )
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 400
+    error = reply.json()["error"]
+    assert (error["code"], error["type"]) == ("invalid_request_id", "invalid_request_error")
+    assert "X-Request-Id" in error["message"]
+    assert "X-Request-Id" not in reply.headers
+    nothing_reached(engine)
+    await settled(server)
+    metrics = server.context.metrics
+    assert counter(metrics.outcomes, "rejected") == 1
+    assert counter(metrics.requests, "/v1/chat/completions", "4xx") == 1
+    assert value.decode("utf-8", "surrogateescape") not in logged()
+
+
+# --- bodies tether must read to write its ID into -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(b'{"messages": [', id="truncated"),
+        pytest.param(b'{"a": 1} {"b": 2}', id="trailing-data"),
+        pytest.param(b"[1, 2]", id="array"),
+        pytest.param(b'"just a string"', id="string"),
+        pytest.param(b'{"text": "\xff\xfe"}', id="invalid-utf-8"),
+    ],
+)
+async def test_invalid_json_where_the_id_must_go_is_a_json_400(fake_engine, tether, body) -> None:
+    """SGLang takes its ID from the body: a body that is not a JSON object gets an
+    OpenAI-style 400, nothing reaches the engine, and nothing is counted as an engine error."""
+    engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG)
+    server = await tether(engine_url, engine="sglang")
+    client = await RawClient.connect(server.port)
+    await client.send_request(body, path="/generate")
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 400
+    assert reply.json()["error"]["code"] == "invalid_request_body"
+    nothing_reached(engine)
+    await settled(server)
+    await server.context.aborts.drain()
+    assert engine.aborts == []
+    metrics = server.context.metrics
+    assert counter(metrics.requests, "/generate", "4xx") == 1
+    assert counter(metrics.upstream_cancels, "client_disconnected") == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: forward.proxy_request counts ClientRequestError raised while reading the body "
+    "as outcome upstream_failed and as tether_upstream_errors_total",
+)
+async def test_invalid_body_counts_as_a_rejection_not_an_engine_error(fake_engine, tether) -> None:
+    """A body the client got wrong is a rejection in the metrics, never an engine failure."""
+    engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG)
+    server = await tether(engine_url, engine="sglang")
+    client = await RawClient.connect(server.port)
+    await client.send_request(b"[1, 2]", path="/generate")
+
+    assert (await read_reply(client.reader)).status == 400
+
+    await settled(server)
+    metrics = server.context.metrics
+    assert counter(metrics.outcomes, "rejected") == 1
+    assert counter(metrics.outcomes, "upstream_failed") == 0
+    assert counter(metrics.upstream_errors, "invalid_request_body") == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: forward._request_body only rewrites bodies labelled exactly application/json, "
+    "but SGLang (FastAPI) also parses unlabelled and application/*+json bodies",
+)
+@pytest.mark.parametrize("content_type", [None, "application/vnd.api+json"])
+async def test_sglang_rid_is_replaced_whatever_the_content_type(
+    fake_engine, tether, content_type
+) -> None:
+    """A client's own `rid` never reaches SGLang, however the JSON body is labelled: otherwise
+    IDs collide upstream and tether's abort (by its own rid) misses the generation."""
+    engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG, max_tokens=1)
+    server = await tether(engine_url, engine="sglang")
+    client = await RawClient.connect(server.port)
+    payload = json.dumps({**chat_body(stream=False, max_tokens=1), "rid": "victim"}).encode()
+    labels = [("Content-Type", content_type)] if content_type else []
+    await send_raw(
+        client, head("/generate", headers=[*labels, ("Content-Length", str(len(payload)))]) + payload
+    )
+
+    assert (await read_reply(client.reader)).status == 200
+
+    [rid] = engine.generations
+    assert rid != "victim" and len(rid) == 32
+    await settled(server)
+
+
+# --- Content-Length mismatches ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["json", "streamed"])
+async def test_body_shorter_than_declared_then_fin_is_a_disconnect_in_phase_body(
+    fake_engine, upstream_app, tether, kind
+) -> None:
+    """A client that declares more body than it sends and then closes its side has left while
+    sending: a JSON body never reaches the engine, a streamed one is aborted upstream."""
+    if kind == "json":
+        engine, engine_url = await fake_engine()
+        path, content_type, head_received = "/v1/chat/completions", "application/json", None
+    else:
+        engine, head_received = upload_engine()
+        engine_url = await upstream_app(engine.app)
+        path, content_type = "/v1/audio/transcriptions", "application/octet-stream"
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(
+        b"x" * 100_000, path=path, content_type=content_type, body_bytes_now=1000
+    )
+    if head_received is not None:
+        await asyncio.wait_for(head_received.wait(), 5)
+
+    client.writer.write_eof()  # FIN with 99,000 declared bytes missing
+
+    assert await read_to_end(client.reader) == b""
+    await settled(server)
+    metrics = server.context.metrics
+    assert counter(metrics.client_disconnects, "body") == 1
+    assert counter(metrics.outcomes, "client_disconnected") == 1
+    if kind == "json":
+        nothing_reached(engine)
+        await server.context.aborts.drain()
+        assert engine.aborts == []
+    else:
+        await engine.wait_for(lambda: len(engine.aborts) == 1)
+        assert counter(metrics.upstream_cancels, "client_disconnected") == 1
+
+
+async def test_body_longer_than_declared_is_read_as_a_garbage_next_request(
+    fake_engine, tether
+) -> None:
+    """Bytes beyond Content-Length are the next pipelined request; garbage there gets a 400 and
+    the connection closed. aiohttp drops the complete request parsed in the same read as the
+    garbage, so the engine sees nothing at all (see the report on issue 7)."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    body = b'{"a": 1}'
+    request = head(
+        "/echo/longer", headers=[("Content-Type", "application/json"), ("Content-Length", "8")]
+    )
+    await send_raw(client, request + body + b"GARBAGE-BEYOND-THE-DECLARED-LENGTH\r\n\r\n")
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 400
+    assert b"GARBAGE" in reply.body  # aiohttp's plain-text parser message
+    await assert_closed(client)
+    nothing_reached(engine)
+    await settled(server)
+
+
+# --- framings a proxy must translate ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type"),
+    [
+        pytest.param("/v1/audio/transcriptions", "application/octet-stream", id="streamed"),
+        pytest.param("/echo/chunked", "application/json", id="json-read-whole"),
+    ],
+)
+async def test_chunked_request_body_reaches_the_engine_byte_for_byte(
+    upstream_app, tether, path, content_type
+) -> None:
+    """A chunked upload arrives at the engine as exactly the bytes the client sent, whether
+    tether streams it through or reads it whole as JSON."""
+    engine, _ = upload_engine()
+    server = await tether(await upstream_app(engine.app))
+    payload = json.dumps({"text": "héllo " * 5000, "stream": False}).encode()
+    pieces = [payload[:1], payload[1:7777], payload[7777:]]
+    client = await RawClient.connect(server.port)
+    await send_raw(
+        client,
+        head(path, headers=[("Content-Type", content_type), ("Transfer-Encoding", "chunked")]),
+    )
+    for piece in pieces:
+        await send_raw(client, f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+    await send_raw(client, b"0\r\n\r\n")
+
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 200
+    [seen] = engine.requests
+    received = seen.body if path.startswith("/v1/audio") else reply.json()["body"].encode()
+    assert received == payload
+    assert "Transfer-Encoding" not in seen.headers or seen.headers["Transfer-Encoding"] == "chunked"
+    await settled(server)
+    assert counter(server.context.metrics.outcomes, "completed") == 1
+
+
+async def test_expect_100_continue_is_answered_by_tether(fake_engine, tether) -> None:
+    """A client that asks `Expect: 100-continue` gets `100 Continue`, sends its body, gets the
+    engine's answer; the engine never sees the Expect header."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    body = b'{"hello": "engine"}'
+    await send_raw(
+        client,
+        head(
+            "/echo/expect",
+            headers=[
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+                ("Expect", "100-continue"),
+                ("X-Request-Id", "patient"),
+            ],
+        ),
+    )
+
+    interim = await read_reply(client.reader)
+    assert (interim.version, interim.status) == ("HTTP/1.1", 100)
+    await send_raw(client, body)
+    reply = await read_reply(client.reader)
+
+    assert reply.status == 200
+    assert reply.headers["X-Request-Id"] == "patient"
+    assert reply.json()["body"] == body.decode()
+    [seen] = engine.requests
+    assert "Expect" not in seen.headers
+    assert seen.body == body
+    await settled(server)
+
+
+async def test_pipelined_requests_are_answered_in_order_with_their_own_ids(
+    fake_engine, tether
+) -> None:
+    """Two requests sent in one write are both answered, in order, each with its own ID in the
+    header and the body, and are two distinct requests to the engine."""
+    engine, engine_url = await fake_engine(max_tokens=2)
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    body = chat_body(stream=False, max_tokens=2)
+    await send_raw(client, json_request(body, "first") + json_request(body, "second"))
+
+    replies = [await read_reply(client.reader), await read_reply(client.reader)]
+
+    assert [reply.status for reply in replies] == [200, 200]
+    assert [reply.headers["X-Request-Id"] for reply in replies] == ["first", "second"]
+    assert [reply.json()["id"] for reply in replies] == ["chatcmpl-first", "chatcmpl-second"]
+    assert len(engine.generations) == 2
+    assert all(g.state is GenerationState.COMPLETED for g in engine.generations.values())
+    await settled(server)
+    assert counter(server.context.metrics.outcomes, "completed") == 2
+
+
+async def test_http_1_0_client_gets_the_whole_stream_delimited_by_close(
+    fake_engine, tether
+) -> None:
+    """An HTTP/1.0 client (no chunked encoding) gets a streamed response complete, ended by
+    the connection closing, with its own ID in every event."""
+    engine, engine_url = await fake_engine(max_tokens=20)
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    payload = json.dumps(chat_body(max_tokens=20)).encode()
+    await send_raw(
+        client,
+        head(
+            version="HTTP/1.0",
+            headers=[
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(payload))),
+                ("X-Request-Id", "old-client"),
+            ],
+        )
+        + payload,
+    )
+
+    reply = await read_reply(client.reader)  # no length, no chunks: read until close
+
+    assert (reply.version, reply.status) == ("HTTP/1.0", 200)
+    assert "Transfer-Encoding" not in reply.headers and "Content-Length" not in reply.headers
+    text = reply.body.decode()
+    assert text.endswith("data: [DONE]\n\n")
+    assert text.count(" tok") == 20
+    assert set(sse_ids(text)) == {"chatcmpl-old-client"}
+    await settled(server)
+    assert counter(server.context.metrics.outcomes, "completed") == 1
