@@ -51,6 +51,14 @@ class RequestBodyTooLargeError(ClientRequestError):
     code = "request_body_too_large"
 
 
+class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
+    """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
+
+    status = 408
+    error_type = "timeout_error"
+    code = "client_body_timeout"
+
+
 class BlockedRouteError(ClientRequestError, PermissionError):
     status = 403
     error_type = "permission_error"

@@ -23,6 +23,7 @@ from multidict import istr
 from .context import CONTEXT, ProxyContext
 from .errors import (
     BlockedRouteError,
+    ClientBodyTimeoutError,
     ClientRequestError,
     InvalidRequestBodyError,
     InvalidRequestIdError,
@@ -30,6 +31,7 @@ from .errors import (
     RequestTimeoutError,
     TetherError,
     UpstreamBrokenError,
+    UpstreamError,
 )
 from .headers import client_response_headers, upstream_request_headers
 from .metrics import route_label
@@ -65,12 +67,15 @@ class ClientGoneError(ConnectionError):
 class Exchange:
     """Per-request flags and handles the handler decides from (never shared across requests)."""
 
-    __slots__ = ("client_response", "state", "upstream_response")
+    __slots__ = ("body_error", "client_response", "state", "upstream_response")
 
     def __init__(self, state: RequestState) -> None:
         self.state = state
         self.upstream_response: aiohttp.ClientResponse | None = None
         self.client_response: web.StreamResponse | None = None
+        # Why a streamed body stopped, when the client's side of it failed: aiohttp reports
+        # it to us only as a broken upstream request.
+        self.body_error: TetherError | None = None
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:
@@ -126,14 +131,15 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         _finish(ctx, state, Outcome.CLIENT_DISCONNECTED, 499)
         raise
     except TetherError as error:
-        # 4c. Timeout or upstream failure: before the response started the client gets a
-        # JSON error; after, its stream is cut so it can never pass for a complete one.
-        # A timeout is tether's decision, so the engine is told; an upstream failure is the
-        # engine's own ending, and aborting a crashed engine would only add a storm of calls.
-        timed_out = isinstance(error, RequestTimeoutError)
-        outcome = Outcome.TIMED_OUT if timed_out else Outcome.UPSTREAM_FAILED
-        _stop_upstream(ctx, exchange, outcome, ask_engine=timed_out)
-        ctx.metrics.upstream_errors.labels(error.code).inc()
+        # 4c. A bad body, a timeout or an upstream failure: before the response started the
+        # client gets a JSON error; after, its stream is cut so it can never pass for a
+        # complete one. Only a timeout is tether's decision to stop work the engine is doing,
+        # so only then is the engine told: a body the engine never fully received starts no
+        # generation, and aborting a crashed engine would only add a storm of calls.
+        outcome = _outcome_of(error)
+        _stop_upstream(ctx, exchange, outcome, ask_engine=outcome is Outcome.TIMED_OUT)
+        if isinstance(error, UpstreamError):
+            ctx.metrics.upstream_errors.labels(error.code).inc()
         if exchange.client_response is not None and exchange.client_response.prepared:
             _finish(ctx, state, outcome, exchange.client_response.status, error)
             _cut_client_stream(request)
@@ -153,7 +159,7 @@ async def _forward(
 ) -> web.StreamResponse:
     state = exchange.state
     settings = ctx.settings
-    body, body_rewritten = await _request_body(request, state, ctx)
+    body, body_rewritten = await _request_body(request, exchange, ctx)
     headers = upstream_request_headers(
         request.headers,
         client_request_id_header=settings.request_id_header,
@@ -163,9 +169,14 @@ async def _forward(
         body_rewritten=body_rewritten,
     )
     state.upstream_contacted = True
-    exchange.upstream_response = upstream = await ctx.upstream.send(
-        request.method, request.raw_path, headers, body
-    )
+    try:
+        exchange.upstream_response = upstream = await ctx.upstream.send(
+            request.method, request.raw_path, headers, body
+        )
+    except TetherError:
+        if exchange.body_error is not None:
+            raise exchange.body_error from None
+        raise
     state.phase = Phase.WAITING
     mapper = _id_mapper(upstream, state)
     length = upstream.content_length
@@ -175,25 +186,37 @@ async def _forward(
 
 
 async def _request_body(
-    request: web.Request, state: RequestState, ctx: ProxyContext
+    request: web.Request, exchange: Exchange, ctx: ProxyContext
 ) -> tuple[Body, bool]:
     """The body to send upstream, and whether tether rewrote it.
 
     JSON bodies are read whole only where the engine needs tether's ID inside them; anything
-    else streams through as it arrives.
+    else streams through as it arrives. Either way a client that goes silent mid-body for
+    TETHER_CLIENT_BODY_TIMEOUT seconds gets a 408.
     """
+    state = exchange.state
     if not request.body_exists:
         state.phase = Phase.WAITING
         return None, False
+    timeout = ctx.settings.client_body_timeout
     if not (ctx.engine.rewrites_json_bodies and request.content_type == "application/json"):
-        return _stream_body(request, state), False
+        return _stream_body(request, exchange, timeout), False
     limit = ctx.settings.max_json_body
     if request.content_length is not None and request.content_length > limit:
         raise RequestBodyTooLargeError(
             f"the JSON body is {request.content_length} bytes; the limit is {limit} "
             "(TETHER_MAX_JSON_BODY)"
         )
-    body = await _read_limited(request, limit)
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await _read_body_chunk(request, timeout):
+        size += len(chunk)
+        if size > limit:
+            raise RequestBodyTooLargeError(
+                f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)"
+            )
+        chunks.append(chunk)
+    body = b"".join(chunks)
     state.phase = Phase.WAITING
     fields = ctx.engine.body_fields(_REQUEST_ID_FIELD in body, state.internal_request_id)
     if not fields:
@@ -204,23 +227,27 @@ async def _request_body(
         raise InvalidRequestBodyError(str(exc)) from None
 
 
-async def _read_limited(request: web.Request, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise RequestBodyTooLargeError(
-                f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)"
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
+async def _stream_body(
+    request: web.Request, exchange: Exchange, timeout: float
+) -> AsyncIterator[bytes]:
+    try:
+        while chunk := await _read_body_chunk(request, timeout):
+            yield chunk
+    except ClientBodyTimeoutError as error:
+        exchange.body_error = error
+        raise
+    exchange.state.phase = Phase.WAITING
 
 
-async def _stream_body(request: web.Request, state: RequestState) -> AsyncIterator[bytes]:
-    async for chunk in request.content.iter_any():
-        yield chunk
-    state.phase = Phase.WAITING
+async def _read_body_chunk(request: web.Request, timeout: float) -> bytes:
+    """The next piece of the client's body (b"" at its end), bounded by the body timeout."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.content.readany()
+    except TimeoutError:
+        raise ClientBodyTimeoutError(
+            f"the client sent no body data for TETHER_CLIENT_BODY_TIMEOUT={timeout}s"
+        ) from None
 
 
 def _id_mapper(upstream: aiohttp.ClientResponse, state: RequestState) -> IdMapper | None:
@@ -350,6 +377,14 @@ def _client_request_id(request: web.Request, header: str) -> str:
         return check_client_request_id(value)
     except InvalidClientRequestId as exc:
         raise InvalidRequestIdError(f"the {header} header {exc}") from None
+
+
+def _outcome_of(error: TetherError) -> Outcome:
+    if isinstance(error, ClientRequestError):
+        return Outcome.REJECTED
+    if isinstance(error, RequestTimeoutError):
+        return Outcome.TIMED_OUT
+    return Outcome.UPSTREAM_FAILED
 
 
 def _why_cancelled(request: web.Request, state: RequestState, ctx: ProxyContext) -> Outcome:

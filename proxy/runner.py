@@ -53,6 +53,9 @@ class TetherServer:
             access_log=None,
             # A client that leaves cancels its handler at once, in every phase.
             handler_cancellation=True,
+            # aiohttp closes a connection that has no complete request head this long after
+            # it opened or after its last response: the bound on slow-loris senders too.
+            keepalive_timeout=settings.client_header_timeout,
             # Idle keep-alive connections close at shutdown; in-flight requests are drained
             # by `stop()` before the runner is cleaned up.
             shutdown_timeout=1.0,

@@ -121,6 +121,14 @@ class Settings(BaseSettings):
     stream_idle_timeout: Seconds | None = Field(
         None, description="Seconds of upstream silence allowed mid-response; unset: no limit."
     )
+    client_header_timeout: Seconds = Field(
+        10.0,
+        description="Seconds a client connection may take to send a complete request head; "
+        "also how long an idle keep-alive connection stays open.",
+    )
+    client_body_timeout: Seconds = Field(
+        30.0, description="Seconds a client may go silent while sending its request body."
+    )
     abort_timeout: Seconds = Field(2.0, description="Seconds one abort attempt may take.")
     abort_deadline: Seconds = Field(
         5.0, description="Seconds all attempts of one abort (retries included) may take."

@@ -13,7 +13,6 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from proxy.fake_engine import FakeEngine
@@ -56,23 +55,41 @@ def settings() -> Callable[..., Settings]:
     return make_settings
 
 
-async def serve_upstream(app: web.Application) -> TestServer:
-    """Serve an upstream app on loopback, cancelling handlers on disconnect like real engines'
-    ASGI servers do (the fake engine decides by itself whether that stops its generation)."""
-    server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
-    await server.start_server()
+class UpstreamServer:
+    """An upstream app served on loopback, as real engines' ASGI servers run: handlers are
+    cancelled on disconnect (the fake engine decides by itself whether that stops its
+    generation), and the accept queue is deep enough for thousands of concurrent streams."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.url = ""
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, backlog=4096)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+
+async def serve_upstream(app: web.Application) -> UpstreamServer:
+    server = UpstreamServer(app)
+    await server.start()
     return server
 
 
 @pytest.fixture
 async def fake_engine() -> AsyncIterator[Callable[..., Awaitable[tuple[FakeEngine, str]]]]:
-    servers: list[TestServer] = []
+    servers: list[UpstreamServer] = []
 
     async def start(**options: Any) -> tuple[FakeEngine, str]:
         engine = FakeEngine(**options)
         server = await serve_upstream(engine.app)
         servers.append(server)
-        return engine, str(server.make_url("")).rstrip("/")
+        return engine, server.url
 
     yield start
     for server in servers:
@@ -82,12 +99,12 @@ async def fake_engine() -> AsyncIterator[Callable[..., Awaitable[tuple[FakeEngin
 @pytest.fixture
 async def upstream_app() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
     """Serve a test's own upstream app (for wire-level behaviours); returns its base URL."""
-    servers: list[TestServer] = []
+    servers: list[UpstreamServer] = []
 
     async def start(app: web.Application) -> str:
         server = await serve_upstream(app)
         servers.append(server)
-        return str(server.make_url("")).rstrip("/")
+        return server.url
 
     yield start
     for server in servers:
