@@ -79,6 +79,7 @@ async def _soak_round(  # type: ignore[no-untyped-def]
 ) -> dict[str, float]:
     closed_at: dict[str, float] = {}  # client ID -> when it left
     completed_clients: set[str] = set()
+    stuck: dict[str, str] = {}  # client ID -> what its read ended with
     connecting = asyncio.Semaphore(256)  # a ramp, not a SYN flood: streams still overlap
 
     async def stream(index: int) -> None:
@@ -89,17 +90,23 @@ async def _soak_round(  # type: ignore[no-untyped-def]
         body = chat_body(max_tokens=100_000 if abandon else rng.randrange(3, 12))
         body["user"] = client_id  # lets the test match engine-side IDs to clients
         await client.send_request(body, headers={"X-Request-Id": client_id})
+        marker = f'tok{rng.randrange(0, 6)}"'.encode() if abandon else b"data: [DONE]\n\n"
+        try:
+            await asyncio.wait_for(client.reader.readuntil(marker), 60)
+        except (TimeoutError, asyncio.IncompleteReadError) as exc:
+            stuck[client_id] = repr(exc)
+            client.close_rst()
+            return
         if abandon:
-            token = rng.randrange(0, 6)
-            await asyncio.wait_for(client.reader.readuntil(f'tok{token}"'.encode()), 60)
             closed_at[client_id] = time.monotonic()
             client.close_fin() if rng.random() < 0.5 else client.close_rst()
         else:
-            await asyncio.wait_for(client.reader.readuntil(b"data: [DONE]\n\n"), 60)
             completed_clients.add(client_id)
             client.close_fin()
 
     await asyncio.gather(*(stream(i) for i in range(STREAMS)))
+    if stuck:
+        await _explain_stuck(engine, admin_port, stuck)
     internal_of = {
         json.loads(request.body)["user"]: request.headers["X-Request-Id"]
         for request in engine.requests
@@ -133,6 +140,27 @@ async def _soak_round(  # type: ignore[no-untyped-def]
         "abort_p99_ms": round(latencies[int(len(latencies) * 0.99)] * 1000, 2),
         "abort_max_ms": round(latencies[-1] * 1000, 2),
     }
+
+
+async def _explain_stuck(engine, admin_port: int, stuck: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
+    """Fail with what the engine and tether knew of each stream that never finished."""
+    internal_of = {
+        json.loads(request.body)["user"]: request.headers["X-Request-Id"]
+        for request in engine.requests
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{admin_port}/admin/requests") as response:
+            in_flight = {r["client_request_id"]: r for r in (await response.json())["requests"]}
+    lines = []
+    for client_id, error in list(stuck.items())[:20]:
+        internal = internal_of.get(client_id)
+        generation = engine.generations.get(internal) if internal else None
+        lines.append(
+            f"{client_id}: {error}; engine: "
+            f"{(generation.state, generation.produced) if generation else 'never saw it'}; "
+            f"tether: {in_flight.get(client_id, 'not in flight')}"
+        )
+    raise AssertionError(f"{len(stuck)} streams never finished:\n" + "\n".join(lines))
 
 
 async def _wait_idle(admin_port: int) -> None:
