@@ -65,6 +65,25 @@ class BlockedRouteError(ClientRequestError, PermissionError):
     code = "blocked_route"
 
 
+# --- decided by tether's operator ------------------------------------------------------------
+
+
+class StoppedByTetherError(TetherError):
+    """tether ended the request itself (admin abort, shutdown) before its response started."""
+
+    status = 503
+    error_type = "unavailable_error"
+    log_level = logging.INFO
+
+
+class AdminAbortedError(StoppedByTetherError):
+    code = "aborted_by_operator"
+
+
+class ShuttingDownError(StoppedByTetherError):
+    code = "shutting_down"
+
+
 # --- caused by the upstream or by a limit ---------------------------------------------------
 
 

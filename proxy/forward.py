@@ -22,6 +22,7 @@ from multidict import istr
 
 from .context import CONTEXT, ProxyContext
 from .errors import (
+    AdminAbortedError,
     BlockedRouteError,
     ClientBodyTimeoutError,
     ClientRequestError,
@@ -29,6 +30,8 @@ from .errors import (
     InvalidRequestIdError,
     RequestBodyTooLargeError,
     RequestTimeoutError,
+    ShuttingDownError,
+    StoppedByTetherError,
     TetherError,
     UpstreamBrokenError,
     UpstreamError,
@@ -123,8 +126,21 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         # 4a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
         outcome = _why_cancelled(request, state, ctx)
         _stop_upstream(ctx, exchange, outcome)
-        _finish(ctx, state, outcome, 499 if outcome is Outcome.CLIENT_DISCONNECTED else 503)
-        raise
+        sent = _response_started(exchange)
+        if outcome is Outcome.CLIENT_DISCONNECTED:
+            _finish(ctx, state, outcome, 499)
+            raise
+        if sent is not None:  # cut mid-response: the status it started with stands
+            _finish(ctx, state, outcome, sent.status)
+            raise
+        # tether cancelled it (admin abort, shutdown) before any byte went out and the client
+        # is still there: it gets a 503 it may retry elsewhere, then the connection closes.
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        stopped = _stopped_by_tether(outcome)
+        _finish(ctx, state, outcome, stopped.status, stopped)
+        response = _error_response(stopped, settings.request_id_header, client_request_id)
+        response.force_close()
+        return response
     except ClientGoneError:
         # 4b. A write to the client failed: same as a cancellation by a disconnect.
         _stop_upstream(ctx, exchange, Outcome.CLIENT_DISCONNECTED)
@@ -140,10 +156,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         _stop_upstream(ctx, exchange, outcome, ask_engine=outcome is Outcome.TIMED_OUT)
         if isinstance(error, UpstreamError):
             ctx.metrics.upstream_errors.labels(error.code).inc()
-        if exchange.client_response is not None and exchange.client_response.prepared:
-            _finish(ctx, state, outcome, exchange.client_response.status, error)
+        sent = _response_started(exchange)
+        if sent is not None:
+            _finish(ctx, state, outcome, sent.status, error)
             _cut_client_stream(request)
-            return exchange.client_response
+            return sent
         _finish(ctx, state, outcome, error.status, error)
         return _error_response(error, settings.request_id_header, client_request_id)
     finally:
@@ -377,6 +394,18 @@ def _client_request_id(request: web.Request, header: str) -> str:
         return check_client_request_id(value)
     except InvalidClientRequestId as exc:
         raise InvalidRequestIdError(f"the {header} header {exc}") from None
+
+
+def _response_started(exchange: Exchange) -> web.StreamResponse | None:
+    """The client's response if its head already went out (its status can no longer change)."""
+    response = exchange.client_response
+    return response if response is not None and response.prepared else None
+
+
+def _stopped_by_tether(outcome: Outcome) -> StoppedByTetherError:
+    if outcome is Outcome.ADMIN_ABORTED:
+        return AdminAbortedError("an operator aborted this request")
+    return ShuttingDownError("tether is shutting down; retry the request elsewhere")
 
 
 def _outcome_of(error: TetherError) -> Outcome:

@@ -64,6 +64,7 @@ class TetherServer:
             create_admin_app(self.app), handle_signals=False, access_log=None
         )
         self._proxy_site: web.SockSite | None = None
+        self._stopped = False
         self.port = 0
         self.admin_port = 0
 
@@ -94,7 +95,10 @@ class TetherServer:
 
     async def stop(self) -> None:
         """Graceful shutdown: refuse new work, let in-flight requests finish within the grace
-        period, abort the rest upstream, drain the aborts, then close everything."""
+        period, abort the rest upstream, drain the aborts, then close everything. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         ctx = self.context
         ctx.readiness.draining = True
         if self._proxy_site is not None:

@@ -218,3 +218,32 @@ async def test_admin_api_is_not_on_the_client_port(fake_engine, tether, http) ->
         url(server, "/admin/abort"), json={"request_id": "x"}, headers={"Authorization": "Bearer t"}
     ) as response:
         assert response.status == 404  # the engine's answer
+
+
+async def test_admin_abort_before_the_first_byte_answers_503(fake_engine, tether, http) -> None:
+    """A request still in prefill when an operator aborts it gets a 503 JSON error saying so,
+    and the engine is aborted."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url, admin_token="t")
+    pending = asyncio.ensure_future(
+        http.post(
+            url(server),
+            json=chat_body(stream=False, prefill=30),
+            headers={"X-Request-Id": "queued"},
+        )
+    )
+    await engine.wait_for(lambda: len(engine.generations) == 1)
+
+    async with http.post(
+        admin_url(server, "/admin/abort"),
+        json={"request_id": "queued"},
+        headers={"Authorization": "Bearer t"},
+    ) as response:
+        assert len((await response.json())["aborted"]) == 1
+
+    async with await pending as answer:
+        assert answer.status == 503
+        assert (await answer.json())["error"]["code"] == "aborted_by_operator"
+        assert answer.headers["X-Request-Id"] == "queued"
+    [internal_id] = engine.generations
+    await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)

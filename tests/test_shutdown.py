@@ -105,3 +105,26 @@ async def test_sigterm_with_nothing_in_flight_exits_at_once(fake_engine) -> None
     process.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(process.wait(), 10) == 0
     assert loop.time() - started < 5
+
+
+async def test_request_still_waiting_at_the_end_of_grace_gets_a_503(fake_engine, tether) -> None:
+    """A request that has no response yet when the grace period ends is answered 503
+    (safe to retry elsewhere: no token went out) and aborted upstream."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url, shutdown_grace=0.2)
+    async with aiohttp.ClientSession() as session:
+        pending = asyncio.ensure_future(
+            session.post(
+                f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                json=chat_body(stream=False, prefill=30),
+            )
+        )
+        await engine.wait_for(lambda: len(engine.generations) == 1)
+
+        await server.stop()
+
+        async with await pending as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == "shutting_down"
+    [internal_id] = engine.generations
+    assert engine.generation(internal_id).state is GenerationState.ABORTED
