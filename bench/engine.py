@@ -80,9 +80,10 @@ class Recorder:
 
 def json_response(status: str, payload: object) -> bytes:
     body = json.dumps(payload, separators=(",", ":")).encode()
-    return (
-        b"HTTP/1.1 %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
-        % (status.encode(), len(body), body)
+    return b"HTTP/1.1 %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%b" % (
+        status.encode(),
+        len(body),
+        body,
     )
 
 
@@ -95,7 +96,11 @@ def completion_response(prefix: str, request_id: str) -> bytes:
             "created": 1764460800,
             "model": "bench-model",
             "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok"},
+                    "finish_reason": "stop",
+                }
             ],
             "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
         },
@@ -105,7 +110,15 @@ def completion_response(prefix: str, request_id: str) -> bytes:
 class Stream:
     """One SSE response in progress on a connection."""
 
-    def __init__(self, conn: EngineConnection, event_prefix: bytes, events: int, rate: float, hold: bool, tag: str | None) -> None:
+    def __init__(
+        self,
+        conn: EngineConnection,
+        event_prefix: bytes,
+        events: int,
+        rate: float,
+        hold: bool,
+        tag: str | None,
+    ) -> None:
         self._conn = conn
         self._prefix = event_prefix
         self._left = events

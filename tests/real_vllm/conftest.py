@@ -21,7 +21,9 @@ SKIP_REASON = "real vLLM suite is opt-in: set TETHER_VLLM_TESTS=1 (see tests/rea
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "vllm: runs against a real vLLM (CPU build); needs TETHER_VLLM_TESTS=1")
+    config.addinivalue_line(
+        "markers", "vllm: runs against a real vLLM (CPU build); needs TETHER_VLLM_TESTS=1"
+    )
 
 
 def _config_of(item: pytest.Item) -> str:
@@ -43,8 +45,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
     # Stable sort of our items by configuration, keeping them where they were in the list.
     positions = [index for index, item in enumerate(items) if item in ours]
-    ranked = sorted(ours, key=lambda item: order.index(_config_of(item)) if _config_of(item) in order else -1)
-    for index, item in zip(positions, ranked):
+    ranked = sorted(
+        ours, key=lambda item: order.index(_config_of(item)) if _config_of(item) in order else -1
+    )
+    for index, item in zip(positions, ranked, strict=True):
         items[index] = item
 
 
@@ -71,7 +75,9 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def stack_pool(engine_install: EngineInstall, log_dir: pathlib.Path, measurements: Measurements) -> Iterator[StackPool]:
+def stack_pool(
+    engine_install: EngineInstall, log_dir: pathlib.Path, measurements: Measurements
+) -> Iterator[StackPool]:
     pool = StackPool(engine_install, log_dir)
     yield pool
     pool.close()
@@ -86,7 +92,9 @@ def stack(request: pytest.FixtureRequest, stack_pool: StackPool) -> Stack:
     return stack_pool.get(request.param)
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
     found = config.stash.get(Measurements.KEY, None)
     if found is not None and found.rows:
         terminalreporter.section("real vLLM measurements")

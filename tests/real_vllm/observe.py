@@ -16,7 +16,9 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.005) -> float:
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.005
+) -> float:
     """Poll `predicate` until it holds; return the seconds it took, fail after `timeout`."""
     start = time.monotonic()
     deadline = start + timeout
@@ -28,7 +30,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interva
         time.sleep(interval)
 
 
-def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+def http_get(
+    url: str, timeout: float = 5.0, headers: dict[str, str] | None = None
+) -> tuple[int, bytes]:
     """GET `url`; return (status, body) for any status, raise only on connection errors."""
     request = urllib.request.Request(url, headers=headers or {})
     try:

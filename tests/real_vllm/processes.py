@@ -57,7 +57,8 @@ DEFAULT_WITH_MIDDLEWARE = VllmConfig(
     "default+middleware", middleware="user_middleware.tag_responses"
 )
 DEV_MODE = VllmConfig("dev-mode", dev_mode=True)
-CONFIGS = {config.name: config for config in (DEFAULT_WITH_MIDDLEWARE, DEV_MODE)}
+PLAIN = VllmConfig("plain")
+CONFIGS = {config.name: config for config in (DEFAULT_WITH_MIDDLEWARE, DEV_MODE, PLAIN)}
 
 
 def free_port() -> int:
@@ -98,7 +99,11 @@ def spawn(argv: list[str], env: dict[str, str], log_path: pathlib.Path) -> Proce
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         popen = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
     return Process(popen, LogFile(log_path))
@@ -109,7 +114,9 @@ def wait_ready(process: Process, url: str, timeout: float, what: str) -> float:
 
     def ready() -> bool:
         if not process.alive():
-            raise AssertionError(f"{what} exited ({process.popen.returncode}):\n{process.log.tail()}")
+            raise AssertionError(
+                f"{what} exited ({process.popen.returncode}):\n{process.log.tail()}"
+            )
         try:
             return http_get(url, timeout=2.0)[0] == 200
         except OSError:
@@ -155,10 +162,26 @@ def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     argv = [
-        *on_core(1), str(install.vllm), "serve", str(install.model),
-        "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
-        "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "2048",
-        "--max-num-seqs", "16", "--enforce-eager", "--enable-log-requests",
+        *on_core(1),
+        str(install.vllm),
+        "serve",
+        str(install.model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "16",
+        "--enforce-eager",
+        "--enable-log-requests",
     ]
     if config.middleware:
         argv += ["--middleware", config.middleware]
@@ -208,7 +231,9 @@ def start_tether(upstream_url: str, log_path: pathlib.Path) -> Tether:
         "TETHER_LOG_LEVEL": "debug",
     }
     process = spawn([*on_core(0), str(tether_executable())], env, log_path)
-    ready = wait_ready(process, f"http://127.0.0.1:{admin_port}/readyz", TETHER_READY_TIMEOUT, "tether")
+    ready = wait_ready(
+        process, f"http://127.0.0.1:{admin_port}/readyz", TETHER_READY_TIMEOUT, "tether"
+    )
     return Tether(port, admin_port, process, ready)
 
 

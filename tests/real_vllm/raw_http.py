@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,10 +17,17 @@ from typing import Any
 class RawExchange:
     """One request on its own connection; read as much of the answer as wanted, then close."""
 
-    def __init__(self, port: int, path: str, payload: Any, headers: dict[str, str], timeout: float = 60.0) -> None:
+    def __init__(
+        self, port: int, path: str, payload: Any, headers: dict[str, str], timeout: float = 60.0
+    ) -> None:
         body = json.dumps(payload).encode()
-        lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
-                 f"Content-Length: {len(body)}", "Connection: close"]
+        lines = [
+            f"POST {path} HTTP/1.1",
+            "Host: 127.0.0.1",
+            "Content-Type: application/json",
+            f"Content-Length: {len(body)}",
+            "Connection: close",
+        ]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         self._sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self._sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
@@ -112,11 +120,20 @@ class RawExchange:
             pass
         return bytes(self._body)
 
+    def set_timeout(self, seconds: float) -> None:
+        """Fail reads that wait longer than `seconds` (socket.timeout)."""
+        self._sock.settimeout(seconds)
+
     def close(self) -> float:
         """Close the connection now; return the monotonic time of the close."""
         self.closed_at = time.monotonic()
         self._sock.close()
         return self.closed_at
+
+    def reset(self) -> float:
+        """Abort the connection with a TCP RST instead of a FIN; return the monotonic time."""
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        return self.close()
 
     def __enter__(self) -> RawExchange:
         return self
