@@ -90,7 +90,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
 
     # 1. Refuse what must never reach the engine, and IDs that cannot be echoed safely.
     try:
-        if is_blocked(request.raw_path, settings.blocked_paths):
+        if is_blocked(request.rel_url.raw_path, settings.blocked_paths):
             raise BlockedRouteError(
                 f"{request.path} is an engine control route; tether does not forward it"
             )
@@ -191,7 +191,7 @@ async def _forward(
     state.upstream_contacted = True
     try:
         exchange.upstream_response = upstream = await ctx.upstream.send(
-            request.method, request.raw_path, headers, body
+            request.method, request.rel_url.raw_path_qs, headers, body
         )
     except TetherError:
         if exchange.body_error is not None:

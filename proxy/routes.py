@@ -7,6 +7,8 @@ import re
 from urllib.parse import unquote
 
 _SLASHES = re.compile(r"/{2,}")
+# Only paths with one of these can be spelled differently from what they mean.
+_NEEDS_NORMALISING = re.compile(r"[%\\]|//|/\.")
 
 
 def normalised_path(raw_path: str) -> str:
@@ -16,7 +18,9 @@ def normalised_path(raw_path: str) -> str:
     slashes collapse, dot segments resolve, case and a trailing slash are ignored: every
     spelling of `/abort_requests` normalises to the same string.
     """
-    path = raw_path.split("?", 1)[0].split("#", 1)[0]
+    path = raw_path.partition("?")[0].partition("#")[0]
+    if _NEEDS_NORMALISING.search(path) is None:  # the common case, on every request
+        return path.lower().rstrip("/") or "/"
     for _ in range(4):
         decoded = unquote(path)
         if decoded == path:
@@ -29,5 +33,4 @@ def normalised_path(raw_path: str) -> str:
 
 def is_blocked(raw_path: str, blocked_paths: tuple[str, ...]) -> bool:
     """True when the path reaches one of the engine's control routes (prefix match)."""
-    path = normalised_path(raw_path)
-    return any(path.startswith(blocked) for blocked in blocked_paths)
+    return normalised_path(raw_path).startswith(blocked_paths)

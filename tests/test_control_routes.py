@@ -92,3 +92,25 @@ async def test_block_list_is_configurable(fake_engine, tether, http) -> None:
         url(server, "/v1/chat/completions"), json={"stream": False, "max_tokens": 1}
     ) as response:
         assert response.status == 200
+
+
+async def test_absolute_form_targets_are_checked_and_forwarded_by_path(fake_engine, tether) -> None:
+    """`POST http://host/abort_requests` (proxy-style target) is refused like the path alone;
+    other absolute-form targets reach the engine as their path."""
+    import asyncio
+
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url)
+    answers = []
+    for target in ("http://engine/abort_requests", "http://engine/echo/x?y=1"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(
+            f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            "Connection: close\r\n\r\n{}".encode()
+        )
+        answers.append(await asyncio.wait_for(reader.read(), 5))
+        writer.close()
+    assert answers[0].startswith(b"HTTP/1.1 403")
+    assert answers[1].startswith(b"HTTP/1.1 200")
+    assert [request.path for request in engine.requests] == ["/echo/x?y=1"]
+    assert engine.aborts == []
