@@ -11,7 +11,7 @@ from aiohttp import web
 from .aborts import AbortTracker
 from .context import CONTEXT, ProxyContext
 from .engines import EngineProfile
-from .forward import proxy_request
+from .forward import defer_continue, proxy_request
 from .health import Readiness
 from .metrics import Metrics
 from .registry import Registry
@@ -25,7 +25,7 @@ def create_app(settings: Settings) -> web.Application:
     app = web.Application(handler_args={"max_field_size": 16384, "max_line_size": 16384})
     app[SETTINGS] = settings
     app.cleanup_ctx.append(_proxy_context)
-    app.router.add_route("*", "/{path:.*}", proxy_request)
+    app.router.add_route("*", "/{path:.*}", proxy_request, expect_handler=defer_continue)
     return app
 
 

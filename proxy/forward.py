@@ -219,7 +219,8 @@ async def _request_body(
         state.phase = Phase.WAITING
         return None, False
     timeout = ctx.settings.client_body_timeout
-    if not (ctx.engine.rewrites_json_bodies and request.content_type == "application/json"):
+    if not (ctx.engine.rewrites_json_bodies and _engine_reads_as_json(request)):
+        await _send_continue_if_asked(request)
         return _stream_body(request, exchange, timeout), False
     limit = ctx.settings.max_json_body
     if request.content_length is not None and request.content_length > limit:
@@ -227,6 +228,7 @@ async def _request_body(
             f"the JSON body is {request.content_length} bytes; the limit is {limit} "
             "(TETHER_MAX_JSON_BODY)"
         )
+    await _send_continue_if_asked(request)
     chunks: list[bytes] = []
     size = 0
     while chunk := await _read_body_chunk(request, timeout):
@@ -268,6 +270,28 @@ async def _read_body_chunk(request: web.Request, timeout: float) -> bytes:
         raise ClientBodyTimeoutError(
             f"the client sent no body data for TETHER_CLIENT_BODY_TIMEOUT={timeout}s"
         ) from None
+
+
+async def defer_continue(request: web.Request) -> None:
+    """aiohttp's `Expect: 100-continue` hook: say nothing yet; tether answers once its own
+    checks (route, request ID, body size) have passed, so a refused upload is never sent."""
+
+
+async def _send_continue_if_asked(request: web.Request) -> None:
+    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def _engine_reads_as_json(request: web.Request) -> bool:
+    """Whether the engine's HTTP layer (FastAPI for vLLM and SGLang) parses this body as JSON:
+    no Content-Type at all, application/json or application/*+json. Rewriting only bodies
+    labelled application/json would let a client's own `rid` through unlabelled."""
+    if _CONTENT_TYPE not in request.headers:
+        return True
+    media_type = request.content_type.lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )
 
 
 def _id_mapper(upstream: aiohttp.ClientResponse, state: RequestState) -> IdMapper | None:

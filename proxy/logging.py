@@ -6,6 +6,7 @@ import logging
 import sys
 
 import structlog
+from aiohttp.http_exceptions import HttpProcessingError
 
 from .settings import LogFormat, LogLevel
 
@@ -42,6 +43,20 @@ def configure_logging(log_format: LogFormat, level: LogLevel) -> None:
     root.setLevel(numeric_level)
     # tether writes its own line per request; aiohttp's access log would repeat it.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").addFilter(_MalformedRequestsAreInfo())
+
+
+class _MalformedRequestsAreInfo(logging.Filter):
+    """aiohttp logs a request it cannot parse as an error with a traceback; it is the
+    client's fault, so it becomes one info line (kept only where info is enabled)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is None or not isinstance(record.exc_info[1], HttpProcessingError):
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg = f"{record.getMessage()}: {record.exc_info[1]}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return logging.getLogger().isEnabledFor(logging.INFO)
 
 
 def _drop_none(

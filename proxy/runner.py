@@ -54,8 +54,12 @@ class TetherServer:
             # A client that leaves cancels its handler at once, in every phase.
             handler_cancellation=True,
             # aiohttp closes a connection that has no complete request head this long after
-            # it opened or after its last response: the bound on slow-loris senders too.
+            # it opened or after its last response: the bound on slow-loris senders, and the
+            # idle keep-alive timeout (as nginx's client_header_timeout and keepalive_timeout).
             keepalive_timeout=settings.client_header_timeout,
+            # After an early answer (408, 413) read what the client still sends for at most
+            # this long, then close: a silent uploader does not hold a connection for 10 s.
+            lingering_time=1.0,
             # Idle keep-alive connections close at shutdown; in-flight requests are drained
             # by `stop()` before the runner is cleaned up.
             shutdown_timeout=1.0,

@@ -80,6 +80,9 @@ class Settings(BaseSettings):
         extra="ignore",
         frozen=True,
         hide_input_in_errors=True,
+        # Helm and compose render unset values as empty strings: empty means "use the
+        # default", never "empty the block list" or "an empty admin token".
+        env_ignore_empty=True,
     )
 
     upstream_url: str = Field(
@@ -122,9 +125,9 @@ class Settings(BaseSettings):
         None, description="Seconds of upstream silence allowed mid-response; unset: no limit."
     )
     client_header_timeout: Seconds = Field(
-        10.0,
-        description="Seconds a client connection may take to send a complete request head; "
-        "also how long an idle keep-alive connection stays open.",
+        60.0,
+        description="Seconds a client connection may go without a complete request head: "
+        "bounds slow senders and idle keep-alive connections alike.",
     )
     client_body_timeout: Seconds = Field(
         30.0, description="Seconds a client may go silent while sending its request body."
@@ -163,6 +166,18 @@ class Settings(BaseSettings):
     )
     log_format: LogFormat = Field(LogFormat.JSON, description="json or console.")
     log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warning or error.")
+
+    @field_validator("engine", "log_format", "log_level", mode="before")
+    @classmethod
+    def _case_insensitive_choice(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("admin_token", "upstream_admin_key")
+    @classmethod
+    def _non_empty_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("must not be blank; leave it unset instead")
+        return value
 
     @field_validator("upstream_url")
     @classmethod
@@ -234,6 +249,8 @@ class Settings(BaseSettings):
     @field_validator("blocked_paths")
     @classmethod
     def _blocked_are_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must name at least one path; leave it unset for the built-in list")
         for path in value:
             if not path.startswith("/"):
                 raise ValueError(f"{path!r} must start with /")

@@ -55,9 +55,9 @@ class UpstreamClient:
         session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # compressed bodies pass through untouched
-            # Only what the client sent goes upstream: no added User-Agent, Accept-Encoding
-            # or Content-Type.
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+            # Only what the client sent goes upstream: no added User-Agent, Accept,
+            # Accept-Encoding or Content-Type.
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
             read_bufsize=2**16,
         )

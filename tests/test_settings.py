@@ -93,3 +93,33 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert settings.engine is Engine.SGLANG
     assert settings.blocked_paths == ("/a", "/b")
     assert settings.request_timeout == 12.5
+
+
+def test_empty_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty value (as Helm and compose render unset ones) means the default: it never
+    empties the block list or configures an empty admin token."""
+    monkeypatch.setenv("TETHER_UPSTREAM_URL", "http://engine:8000")
+    for name in ("TETHER_BLOCKED_PATHS", "TETHER_ADMIN_TOKEN", "TETHER_REQUEST_TIMEOUT"):
+        monkeypatch.setenv(name, "")
+    settings = Settings()  # type: ignore[call-arg]
+    assert settings.blocked_paths == DEFAULT_BLOCKED_PATHS
+    assert settings.admin_token is None and settings.request_timeout is None
+
+
+def test_choices_are_case_insensitive() -> None:
+    """`INFO`, `Console` and `VLLM` are accepted like their lower-case names."""
+    settings = make_settings(log_level="INFO", log_format="Console", engine="VLLM")
+    assert (settings.log_level.value, settings.log_format.value, settings.engine) == (
+        "info",
+        "console",
+        Engine.VLLM,
+    )
+
+
+@pytest.mark.parametrize("field", ["admin_token", "upstream_admin_key"])
+def test_blank_secrets_are_refused(field: str) -> None:
+    """A token of blanks is a mistake, not a token."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=field):
+        make_settings(**{field: "  "})
