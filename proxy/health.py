@@ -11,6 +11,10 @@ from .upstream import UpstreamClient
 
 log = structlog.get_logger("tether.health")
 
+# One slow answer from a busy engine is not an outage: readiness is withdrawn after this many
+# failed checks in a row (and restored by one good one).
+FAILURES_BEFORE_NOT_READY = 2
+
 
 class Readiness:
     """Whether tether should receive traffic: the engine is healthy and we are not draining."""
@@ -21,7 +25,6 @@ class Readiness:
         self._metrics = metrics
         self.engine_problem: str | None = "engine health not checked yet"
         self.draining = False
-        self._checked = asyncio.Event()
 
     @property
     def problem(self) -> str | None:
@@ -30,20 +33,19 @@ class Readiness:
             return "tether is shutting down"
         return self.engine_problem
 
-    async def wait_checked(self) -> None:
-        """Until the first health check has answered (either way)."""
-        await self._checked.wait()
-
     async def run(self) -> None:
         """Poll the engine until cancelled; log only the changes."""
+        failures = 0
         while True:
             problem = await self._upstream.check_health()
-            if problem != self.engine_problem:
-                if problem is None:
-                    log.info("engine_ready")
-                else:
-                    log.warning("engine_not_ready", reason=problem)
-            self.engine_problem = problem
-            self._metrics.upstream_ready.set(1 if problem is None else 0)
-            self._checked.set()
+            failures = 0 if problem is None else failures + 1
+            ready = self.engine_problem is None
+            if not ready or problem is None or failures >= FAILURES_BEFORE_NOT_READY:
+                if ready != (problem is None):
+                    if problem is None:
+                        log.info("engine_ready")
+                    else:
+                        log.warning("engine_not_ready", reason=problem)
+                self.engine_problem = problem
+                self._metrics.upstream_ready.set(1 if problem is None else 0)
             await asyncio.sleep(self._interval)

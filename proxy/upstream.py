@@ -41,7 +41,7 @@ class UpstreamClient:
             key = settings.upstream_admin_key.get_secret_value()
             self._abort_headers["Authorization"] = f"Bearer {key}"
         self._health_url = self._base_url + settings.upstream_health_path
-        self._health_timeout = aiohttp.ClientTimeout(total=max(settings.health_interval, 1.0))
+        self._health_timeout = aiohttp.ClientTimeout(total=max(settings.health_interval, 2.0))
 
     @classmethod
     @asynccontextmanager

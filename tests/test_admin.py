@@ -247,3 +247,29 @@ async def test_admin_abort_before_the_first_byte_answers_503(fake_engine, tether
         assert answer.headers["X-Request-Id"] == "queued"
     [internal_id] = engine.generations
     await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
+
+
+async def test_one_failed_health_check_does_not_withdraw_readiness(
+    upstream_app, tether, http
+) -> None:
+    """A busy engine missing one check stays ready; two failures in a row withdraw it."""
+    from aiohttp import web
+
+    answers = iter([200, 503, 200, 503, 503] + [503] * 1000)
+    seen = asyncio.Event()
+    statuses: list[int] = []
+
+    async def health(request: web.Request) -> web.Response:
+        statuses.append(next(answers))
+        if len(statuses) == 3:
+            seen.set()
+        return web.Response(status=statuses[-1])
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    server = await tether(await upstream_app(app), health_interval=0.05)
+    await asyncio.wait_for(seen.wait(), 5)
+    assert server.context.readiness.problem is None  # 200, 503, 200: still ready
+    body = await _poll_status(http, admin_url(server, "/readyz"), 503)
+    assert statuses[:5] == [200, 503, 200, 503, 503]
+    assert "503" in body["reason"]

@@ -84,6 +84,8 @@ def stack_pool(
     for name, vllm_ready, total in pool.started:
         measurements.add("startup", f"vLLM {name} ready (s)", vllm_ready)
         measurements.add("startup", f"vLLM {name} + tether ready (s)", total)
+    for name, count in pool.tether_error_lines.items():
+        measurements.add("tether log", f"{name}: error-level lines in tether's log", count)
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .observe import LogFile, http_get, wait_until
 
@@ -53,12 +53,16 @@ class VllmConfig:
     middleware: str | None = None
 
 
-DEFAULT_WITH_MIDDLEWARE = VllmConfig(
-    "default+middleware", middleware="user_middleware.tag_responses"
-)
+DEFAULT = VllmConfig("default")
+WITH_MIDDLEWARE = VllmConfig("default+middleware", middleware="user_middleware.tag_responses")
 DEV_MODE = VllmConfig("dev-mode", dev_mode=True)
-PLAIN = VllmConfig("plain")
-CONFIGS = {config.name: config for config in (DEFAULT_WITH_MIDDLEWARE, DEV_MODE, PLAIN)}
+# The abort route is what removes the middleware's late-detection tail (see README).
+DEV_MODE_WITH_MIDDLEWARE = VllmConfig(
+    "dev-mode+middleware", dev_mode=True, middleware="user_middleware.tag_responses"
+)
+CONFIGS = {
+    config.name: config for config in (DEFAULT, WITH_MIDDLEWARE, DEV_MODE, DEV_MODE_WITH_MIDDLEWARE)
+}
 
 
 def free_port() -> int:
@@ -243,7 +247,6 @@ class Stack:
 
     vllm: VllmServer
     tether: Tether
-    measurements: list[tuple[str, str, float]] = field(default_factory=list)
 
     def stop(self) -> None:
         self.tether.process.stop()
@@ -258,6 +261,7 @@ class StackPool:
         self._log_dir = log_dir
         self._current: Stack | None = None
         self.started: list[tuple[str, float, float]] = []
+        self.tether_error_lines: dict[str, int] = {}
 
     def get(self, name: str) -> Stack:
         if self._current is not None and self._current.vllm.config.name == name:
@@ -276,5 +280,9 @@ class StackPool:
 
     def close(self) -> None:
         if self._current is not None:
+            name = self._current.vllm.config.name
+            self.tether_error_lines[name] = self._current.tether.log.text_since(0).count(
+                '"level": "error"'
+            )
             self._current.stop()
             self._current = None
