@@ -114,8 +114,11 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     try:
         # 3. Forward and relay, bounded by the whole-request timeout when one is set.
         try:
-            async with asyncio.timeout(settings.request_timeout):
+            if settings.request_timeout is None:
                 response = await _forward(request, exchange, ctx)
+            else:
+                async with asyncio.timeout(settings.request_timeout):
+                    response = await _forward(request, exchange, ctx)
         except TimeoutError as exc:
             if isinstance(exc, TetherError):
                 raise  # tether's own timeouts (connect, idle) already say what happened
@@ -263,9 +266,12 @@ async def _stream_body(
 
 async def _read_body_chunk(request: web.Request, timeout: float) -> bytes:
     """The next piece of the client's body (b"" at its end), bounded by the body timeout."""
+    content = request.content
+    if content.is_eof():  # all of it arrived already (most requests): nothing to wait for
+        return await content.readany()
     try:
         async with asyncio.timeout(timeout):
-            return await request.content.readany()
+            return await content.readany()
     except TimeoutError:
         raise ClientBodyTimeoutError(
             f"the client sent no body data for TETHER_CLIENT_BODY_TIMEOUT={timeout}s"
@@ -323,7 +329,6 @@ async def _relay_whole(
         body_rewritten=True,
     )
     state.bytes_out = len(body)
-    ctx.metrics.bytes_streamed.inc(len(body))
     return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
 
 
@@ -336,7 +341,6 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     """Relay the body chunk by chunk as it arrives; the awaited write is the backpressure."""
     state = exchange.state
-    metrics = ctx.metrics
     idle_timeout = ctx.settings.stream_idle_timeout
     headers = client_response_headers(
         upstream.headers,
@@ -351,9 +355,14 @@ async def _relay_stream(
     state.phase = Phase.STREAMING
     is_sse = headers.get(_CONTENT_TYPE, "").startswith("text/event-stream")
     reader = upstream.content
+    # The hot loop: one read, one write per chunk. Counters are kept on the request and
+    # published once at its end (`_finish`), not per chunk.
     while True:
         try:
-            chunk = await _idle_bounded(reader.readany(), idle_timeout)
+            if idle_timeout is None:
+                chunk = await reader.readany()
+            else:
+                chunk = await _idle_bounded(reader.readany(), idle_timeout)
         except aiohttp.ClientError as exc:
             raise UpstreamBrokenError(f"the engine's response broke off: {exc}") from exc
         if not chunk:
@@ -369,15 +378,13 @@ async def _relay_stream(
         except ConnectionError as exc:
             raise ClientGoneError(str(exc)) from exc
         state.bytes_out += len(chunk)
-        metrics.bytes_streamed.inc(len(chunk))
         if is_sse:
-            metrics.sse_events.inc(chunk.count(b"\n\n"))
+            state.sse_events += chunk.count(b"\n\n")
     if mapper is not None:
         tail = mapper.flush()
         if tail:
             await _to_client(response.write(tail))
             state.bytes_out += len(tail)
-            metrics.bytes_streamed.inc(len(tail))
     if state.first_byte_at is None:
         _first_byte(ctx, state)
     upstream.release()
@@ -408,9 +415,7 @@ async def _to_client(write: Awaitable[object]) -> None:
 
 def _first_byte(ctx: ProxyContext, state: RequestState) -> None:
     state.first_byte_at = time.monotonic()
-    ctx.metrics.time_to_first_byte.labels(state.route).observe(
-        state.first_byte_at - state.started_at
-    )
+    ctx.metrics.record_first_byte(state.route, state.first_byte_at - state.started_at)
 
 
 def _client_request_id(request: web.Request, header: str) -> str:
@@ -533,10 +538,9 @@ def _finish(
     """Metrics and the one summary line of a request."""
     now = time.monotonic()
     duration = now - state.started_at
-    metrics = ctx.metrics
-    metrics.requests.labels(state.route, f"{status // 100}xx").inc()
-    metrics.outcomes.labels(outcome.value).inc()
-    metrics.duration.labels(state.route).observe(duration)
+    ctx.metrics.record_request(
+        state.route, status, outcome.value, duration, state.bytes_out, state.sse_events
+    )
     ttfb = state.first_byte_at - state.started_at if state.first_byte_at is not None else None
     log.log(
         error.log_level if error is not None else 20,

@@ -35,6 +35,8 @@ _X_FORWARDED_HOST = istr("X-Forwarded-Host")
 def _connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
     """Headers the sender declared hop-by-hop in `Connection` (RFC 9110 §7.6.1), lower-cased."""
     named: set[str] = set()
+    if "Connection" not in headers:
+        return named
     for value in headers.getall("Connection", ()):
         named.update(token.strip().lower() for token in value.split(",") if token.strip())
     return named

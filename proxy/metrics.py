@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # Routes known by name; anything else is counted as "other" so label values stay bounded.
 KNOWN_ROUTES = frozenset(
@@ -106,3 +107,36 @@ class Metrics:
         self.upstream_ready = Gauge(
             "tether_upstream_ready", "1 while the engine's health check passes.", registry=r
         )
+
+        # Labelled children, looked up once per label set: `labels()` takes a lock and builds
+        # keys, and these are hit on every request. The label sets are bounded (KNOWN_ROUTES,
+        # status classes, outcomes).
+        self._children: dict[tuple[object, ...], MetricWrapperBase] = {}
+
+    def _child(self, metric: MetricWrapperBase, *labels: str) -> MetricWrapperBase:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def record_request(
+        self,
+        route: str,
+        status: int,
+        outcome: str,
+        duration: float,
+        bytes_out: int,
+        sse_events: int,
+    ) -> None:
+        """Everything counted once per finished request."""
+        self._child(self.requests, route, f"{status // 100}xx").inc()  # type: ignore[attr-defined]
+        self._child(self.outcomes, outcome).inc()  # type: ignore[attr-defined]
+        self._child(self.duration, route).observe(duration)  # type: ignore[attr-defined]
+        if bytes_out:
+            self.bytes_streamed.inc(bytes_out)
+        if sse_events:
+            self.sse_events.inc(sse_events)
+
+    def record_first_byte(self, route: str, seconds: float) -> None:
+        self._child(self.time_to_first_byte, route).observe(seconds)  # type: ignore[attr-defined]

@@ -43,6 +43,7 @@ class RequestState:
     upstream_contacted: bool = False
     response_started: bool = False
     bytes_out: int = 0
+    sse_events: int = 0
     first_byte_at: float | None = None
     # Set when tether itself ends the request (admin abort, shutdown) before cancelling it.
     ended_by: Outcome | None = None
