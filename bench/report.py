@@ -1,9 +1,15 @@
-"""One table for every figure and system, the ratios, and the targets met or not."""
+"""One table for every figure and system, the ratios, and the targets met or not.
+
+`python -m bench.report bench/results/<time>.json` prints a saved run again.
+"""
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.workloads import Figures
@@ -28,6 +34,9 @@ def rows_for(results: Results) -> list[Row]:
             rows += [
                 Row(f"1 relay, {streams} streams: events/s", workload, "events_per_s", 0),
                 Row(f"1 relay, {streams} streams: proxy core busy", workload, "proxy_core_busy", 2),
+                Row(
+                    f"1 relay, {streams} streams: client core busy", workload, "client_core_busy", 2
+                ),
                 Row(
                     f"1 relay, {streams} streams: proxy CPU s / M events",
                     workload,
@@ -165,6 +174,16 @@ def targets(results: Results) -> list[dict[str, Any]]:
                     "met": tether / nginx <= 2,
                 }
             )
+    tether = figure(results, "paced", "tether", "proxy_cpu_s_per_m_events")
+    nginx = figure(results, "paced", "nginx", "proxy_cpu_s_per_m_events")
+    if tether is not None and nginx:
+        checks.append(
+            {
+                "target": "CPU per M events within 2x nginx (paced, no coalescing)",
+                "measured": f"{tether / nginx:.2f}x ({tether:.2f} vs {nginx:.2f} s)",
+                "met": tether / nginx <= 2,
+            }
+        )
     added = figure(results, "paced", "tether", "added_p99_us")
     if added is not None:
         checks.append(
@@ -242,3 +261,29 @@ def render_checks(results: Results) -> str:
                 f"in a window ({where})"
             )
     return "\n".join(lines)
+
+
+def render(meta: dict[str, Any], results: Results) -> str:
+    """The whole printout: the run's circumstances, the table, checks and targets."""
+    return "\n".join(
+        [
+            f"tether benchmark, {meta['mode']} mode, {meta['date']}, "
+            f"median of {meta['rounds']} round(s)",
+            f"machine: {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, "
+            f"Linux {meta['kernel']}, Python {meta['python']}, nginx {meta['nginx']}",
+            f"cores: {meta['core_split']}",
+            f"load average before/after: {' '.join(meta['loadavg_before'])} / "
+            f"{' '.join(meta['loadavg_after'])}; descriptor limit {meta['nofile']}",
+            "",
+            render_table(results),
+            "",
+            render_checks(results),
+            "",
+            render_targets(targets(results)),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    saved = json.loads(Path(sys.argv[1]).read_text())
+    print(render(saved["meta"], saved["results"]))

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.systems import CLIENT_CORE, PROXY_CORE, Engine, System, all_systems
+from bench.systems import CLIENT_CORE, PROXY_CORE, Engine, System, all_systems, nginx_binary
 from bench.workloads import (
     Figures,
     Profile,
@@ -55,7 +55,11 @@ def raise_nofile() -> int:
 
 
 def plan(profile: Profile, max_streams: int) -> dict[str, Workload]:
-    workloads: dict[str, Workload] = {}
+    # Memory first, on processes that are fresh for the round: a Python proxy keeps the heap
+    # it grew for earlier streams, which would make later streams look nearly free.
+    workloads: dict[str, Workload] = {
+        "memory": functools.partial(memory_per_stream, profile, max_streams=max_streams)
+    }
     for streams in profile.relay_streams:
         workloads[f"relay_{streams}"] = functools.partial(relay, profile, streams=streams)
     workloads["paced"] = functools.partial(paced_latency, profile)
@@ -63,7 +67,6 @@ def plan(profile: Profile, max_streams: int) -> dict[str, Workload]:
     clients = profile.requests_concurrency
     workloads[f"requests_{clients}"] = functools.partial(request_overhead, profile, clients=clients)
     workloads["aborts"] = functools.partial(abort_latency, profile)
-    workloads["memory"] = functools.partial(memory_per_stream, profile, max_streams=max_streams)
     return workloads
 
 
@@ -78,7 +81,7 @@ def machine() -> dict[str, Any]:
     )
     memory_kib = int(Path("/proc/meminfo").read_text().split()[1])
     nginx = subprocess.run(
-        ["nginx", "-v"], capture_output=True, text=True, check=False
+        [nginx_binary(), "-v"], capture_output=True, text=True, check=False
     ).stderr.strip()
     return {
         "cpu": cpu,
@@ -94,6 +97,31 @@ def machine() -> dict[str, Any]:
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def run_round(
+    number: int, workloads: dict[str, Workload], engine: Engine, systems: dict[str, System]
+) -> report.Results:
+    """Every workload on every system, interleaved so that noise hits all systems alike."""
+    results: report.Results = {}
+    for key, workload in workloads.items():
+        results[key] = {}
+        for name, system in systems.items():
+            if name == "tether_info" and key not in INFO_LOG_WORKLOADS:
+                continue
+            began = time.monotonic()
+            results[key][name] = workload(engine, system)
+            progress(f"round {number}  {key:<14} {name:<12} {time.monotonic() - began:5.1f}s")
+    return results
+
+
+def keep_logs(tmp: Path, destination: Path) -> None:
+    """Keep the processes' logs and nginx's config: they explain odd figures."""
+    for path in tmp.rglob("*"):
+        if path.suffix in (".log", ".conf"):
+            target = destination / path.relative_to(tmp)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
 
 
 def run(
@@ -119,24 +147,14 @@ def run(
     }
     every_round: list[report.Results] = []
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
-        with all_systems(Path(tmp), system_names, nofile) as (engine, systems):
-            for round_number in range(1, rounds + 1):
-                results: report.Results = {}
-                for key, workload in workloads.items():
-                    results[key] = {}
-                    for name, system in systems.items():
-                        if name == "tether_info" and key not in INFO_LOG_WORKLOADS:
-                            continue
-                        began = time.monotonic()
-                        results[key][name] = workload(engine, system)
-                        took = time.monotonic() - began
-                        progress(f"round {round_number}  {key:<14} {name:<12} {took:5.1f}s")
-                every_round.append(results)
-        # The processes' own logs (nginx's error log, tether's lines) explain odd figures.
-        shutil.copytree(tmp, results_dir / f"{stem}-logs", ignore=shutil.ignore_patterns("*_temp*"))
+        for round_number in range(1, rounds + 1):
+            round_dir = Path(tmp) / f"round-{round_number}"
+            round_dir.mkdir()
+            with all_systems(round_dir, system_names, nofile) as (engine, systems):
+                every_round.append(run_round(round_number, workloads, engine, systems))
+        keep_logs(Path(tmp), results_dir / f"{stem}-logs")
     results = report.combine_rounds(every_round)
     report.add_deltas(results)
-    table, checks = report.render_table(results), report.targets(results)
     meta = machine() | {
         "date": started.isoformat(timespec="seconds"),
         "mode": mode,
@@ -146,21 +164,7 @@ def run(
         "loadavg_before": load_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
     }
-    print(f"tether benchmark, {mode} mode, {meta['date']}, median of {rounds} round(s)")
-    print(
-        f"machine: {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, "
-        f"Linux {meta['kernel']}, Python {meta['python']}, nginx {meta['nginx']}"
-    )
-    print(f"cores: {meta['core_split']}")
-    print(
-        f"load average before/after: {' '.join(meta['loadavg_before'])} / "
-        f"{' '.join(meta['loadavg_after'])}; descriptor limit {nofile}\n"
-    )
-    print(table)
-    print()
-    print(report.render_checks(results))
-    print()
-    print(report.render_targets(checks))
+    print(report.render(meta, results))
     path = results_dir / f"{stem}.json"
     path.write_text(
         json.dumps(
@@ -168,8 +172,8 @@ def run(
                 "meta": meta,
                 "results": results,
                 "rounds": every_round,
-                "targets": checks,
-                "table": table,
+                "targets": report.targets(results),
+                "table": report.render_table(results),
             },
             indent=2,
         )

@@ -141,13 +141,17 @@ def engine(tmp: Path) -> Iterator[Engine]:
         yield Engine(port, process.pid)
 
 
+def nginx_binary() -> str:
+    """Debian installs nginx in /usr/sbin, which a non-root PATH may lack."""
+    return shutil.which("nginx") or "/usr/sbin/nginx"
+
+
 @contextmanager
 def nginx(tmp: Path, engine_port: int, nofile: int) -> Iterator[System]:
     port = free_port()
     conf = tmp / "nginx.conf"
     conf.write_text(NGINX_CONF.format(tmp=tmp, engine_port=engine_port, port=port, nofile=nofile))
-    binary = shutil.which("nginx") or "/usr/sbin/nginx"
-    args = [binary, "-c", str(conf), "-g", "daemon off;"]
+    args = [nginx_binary(), "-c", str(conf), "-g", "daemon off;"]
     with running(args, core=PROXY_CORE, log=tmp / "nginx.log") as process:
         wait_http_ok(f"http://127.0.0.1:{port}/health", process)
         yield System("nginx", port, process.pid)
