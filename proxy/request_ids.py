@@ -71,19 +71,26 @@ class IdMapper:
     it is. Nothing else is held back, so SSE events ending in a blank line pass at once.
     """
 
-    __slots__ = ("_held", "_needle", "_replacement")
+    __slots__ = ("_held", "_needle", "_needle_bytes", "_replacement")
 
     def __init__(self, internal_request_id: str, replacement: bytes) -> None:
         self._needle = internal_request_id.encode()
+        self._needle_bytes = frozenset(self._needle)
         self._replacement = replacement
         self._held = b""
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._held + chunk if self._held else chunk
+        if not data:
+            return data
         needle = self._needle
         last = data.rfind(needle)
         tail_start = 0 if last < 0 else last + len(needle)
-        keep = _partial_match_at_end(data, needle, tail_start)
+        # A held-back end must end in a byte of the ID; SSE events end in a newline, so the
+        # common chunk needs no scan at all.
+        keep = (
+            _partial_match_at_end(data, needle, tail_start) if data[-1] in self._needle_bytes else 0
+        )
         if keep:
             self._held = data[-keep:]
             data = data[:-keep]
