@@ -26,7 +26,7 @@ from .conftest import RawClient, chat_body
 from .test_shutdown import _start_tether
 
 STREAMS = int(os.environ.get("TETHER_SOAK_STREAMS", "2000"))
-ROUNDS = int(os.environ.get("TETHER_SOAK_ROUNDS", "3"))
+ROUNDS = max(2, int(os.environ.get("TETHER_SOAK_ROUNDS", "3")))
 
 
 def _raise_fd_limit(needed: int) -> None:
@@ -68,10 +68,10 @@ async def test_soak_rounds_lose_nothing_and_leak_nothing(fake_engine) -> None:
         assert await asyncio.wait_for(process.wait(), 60) == 0
 
     assert all(r["missed_aborts"] == 0 for r in rounds)
-    # Leak check: descriptors back to the idle baseline; memory, once the first round has
-    # warmed the allocator, does not grow.
+    # Leak check: descriptors back to the idle baseline after every round; memory grows while
+    # the first rounds warm the allocator to the peak load, then stays flat.
     assert all(r["open_fds"] <= baseline_fds + 2 for r in rounds)
-    assert rounds[-1]["rss_mib"] <= rounds[0]["rss_mib"] * 1.10 + 5
+    assert rounds[-1]["rss_mib"] <= rounds[-2]["rss_mib"] * 1.05 + 2
 
 
 async def _soak_round(  # type: ignore[no-untyped-def]
