@@ -65,7 +65,13 @@ class AbortTracker:
             name=f"abort-{internal_request_id}",
         )
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (error := task.exception()) is not None:
+            # Expected failures are results; anything raised here is a bug in tether.
+            log.error("abort_crashed", exc_info=error)
 
     @property
     def pending(self) -> int:

@@ -103,7 +103,3 @@ class Registry:
 
     def __iter__(self) -> Iterator[RequestState]:
         return iter(list(self._by_internal.values()))
-
-    @property
-    def client_ids(self) -> int:
-        return len(self._by_client)
