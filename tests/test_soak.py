@@ -26,7 +26,7 @@ from .conftest import RawClient, chat_body
 from .test_shutdown import _start_tether
 
 STREAMS = int(os.environ.get("TETHER_SOAK_STREAMS", "2000"))
-ROUNDS = max(2, int(os.environ.get("TETHER_SOAK_ROUNDS", "3")))
+ROUNDS = int(os.environ.get("TETHER_SOAK_ROUNDS", "3"))
 
 
 def _raise_fd_limit(needed: int) -> None:
@@ -58,6 +58,10 @@ async def test_soak_rounds_lose_nothing_and_leak_nothing(fake_engine) -> None:
     _, baseline_fds = _rss_and_fds(process.pid)
     rounds: list[dict[str, float]] = []
     try:
+        # A warm-up round first: it grows the allocator's heap to the peak load, which Python
+        # keeps; the leak check judges the rounds after it.
+        warm_up = await _soak_round(engine, process.pid, port, admin_port, "warm-", rng)
+        print(f"\nwarm-up: {warm_up}")
         for round_index in range(ROUNDS):
             rounds.append(
                 await _soak_round(engine, process.pid, port, admin_port, f"r{round_index}-", rng)
@@ -67,11 +71,12 @@ async def test_soak_rounds_lose_nothing_and_leak_nothing(fake_engine) -> None:
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 60) == 0
 
-    assert all(r["missed_aborts"] == 0 for r in rounds)
-    # Leak check: descriptors back to the idle baseline after every round; memory grows while
-    # the first rounds warm the allocator to the peak load, then stays flat.
-    assert all(r["open_fds"] <= baseline_fds + 2 for r in rounds)
-    assert rounds[-1]["rss_mib"] <= rounds[-2]["rss_mib"] * 1.05 + 2
+    assert warm_up["missed_aborts"] == 0 and all(r["missed_aborts"] == 0 for r in rounds)
+    # Leak check: descriptors back to the idle baseline after every round, and no growth of
+    # RSS across the measured rounds beyond allocator noise (a new load peak can still lift
+    # the high-water mark a little; a leak grows every round).
+    assert all(r["open_fds"] <= baseline_fds + 2 for r in [warm_up, *rounds])
+    assert rounds[-1]["rss_mib"] <= rounds[0]["rss_mib"] * 1.10 + 5
 
 
 async def _soak_round(  # type: ignore[no-untyped-def]
