@@ -351,7 +351,6 @@ async def _relay_stream(
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     exchange.client_response = response
     await _to_client(response.prepare(request))
-    state.response_started = True
     state.phase = Phase.STREAMING
     is_sse = headers.get(_CONTENT_TYPE, "").startswith("text/event-stream")
     reader = upstream.content

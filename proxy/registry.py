@@ -41,14 +41,12 @@ class RequestState:
     started_at: float = field(default_factory=time.monotonic)
     phase: Phase = Phase.BODY
     upstream_contacted: bool = False
-    response_started: bool = False
     bytes_out: int = 0
     sse_events: int = 0
     first_byte_at: float | None = None
     # Set when tether itself ends the request (admin abort, shutdown) before cancelling it.
     ended_by: Outcome | None = None
     task: asyncio.Task[object] | None = None
-    transport: asyncio.BaseTransport | None = None
 
     def as_json(self, now: float) -> dict[str, object]:
         return {
