@@ -12,6 +12,7 @@ connection, hand the abort call to the tracker, record the outcome.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 
@@ -512,8 +513,7 @@ def _reject(request: web.Request, ctx: ProxyContext, error: ClientRequestError) 
         status=error.status,
         reason=error.message,
     )
-    ctx.metrics.requests.labels(route_label(request.path), f"{error.status // 100}xx").inc()
-    ctx.metrics.outcomes.labels(Outcome.REJECTED.value).inc()
+    ctx.metrics.record_rejection(route_label(request.path), error.status)
     return _error_response(error, header, echo)
 
 
@@ -542,7 +542,7 @@ def _finish(
     )
     ttfb = state.first_byte_at - state.started_at if state.first_byte_at is not None else None
     log.log(
-        error.log_level if error is not None else 20,
+        error.log_level if error is not None else logging.INFO,
         "request_finished",
         method=state.method,
         path=state.path,

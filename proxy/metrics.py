@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+from .registry import Outcome
+
 # Routes known by name; anything else is counted as "other" so label values stay bounded.
 KNOWN_ROUTES = frozenset(
     {
@@ -129,14 +131,21 @@ class Metrics:
         bytes_out: int,
         sse_events: int,
     ) -> None:
-        """Everything counted once per finished request."""
-        self._child(self.requests, route, f"{status // 100}xx").inc()  # type: ignore[attr-defined]
-        self._child(self.outcomes, outcome).inc()  # type: ignore[attr-defined]
+        """Everything counted once per request tether forwarded."""
+        self._count_ending(route, status, outcome)
         self._child(self.duration, route).observe(duration)  # type: ignore[attr-defined]
         if bytes_out:
             self.bytes_streamed.inc(bytes_out)
         if sse_events:
             self.sse_events.inc(sse_events)
+
+    def record_rejection(self, route: str, status: int) -> None:
+        """A request refused before anything was forwarded (no duration to speak of)."""
+        self._count_ending(route, status, Outcome.REJECTED.value)
+
+    def _count_ending(self, route: str, status: int, outcome: str) -> None:
+        self._child(self.requests, route, f"{status // 100}xx").inc()  # type: ignore[attr-defined]
+        self._child(self.outcomes, outcome).inc()  # type: ignore[attr-defined]
 
     def record_first_byte(self, route: str, seconds: float) -> None:
         self._child(self.time_to_first_byte, route).observe(seconds)  # type: ignore[attr-defined]
