@@ -208,3 +208,20 @@ class RawClient:
         sock = self.writer.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.writer.transport.abort()
+
+
+async def leave_mid_stream(
+    server: TetherServer,
+    *,
+    close: str = "fin",
+    body: dict[str, Any] | None = None,
+    path: str = "/v1/chat/completions",
+) -> None:
+    """Open a long stream through tether, read its first token, leave (FIN or RST), and return
+    once tether has let go of the request (its abort is then handed over)."""
+    client = await RawClient.connect(server.port)
+    await client.send_request(body or chat_body(max_tokens=100_000), path=path)
+    await client.read_until(b"tok0")
+    client.close_fin() if close == "fin" else client.close_rst()
+    async with asyncio.timeout(5):
+        await server.context.registry.wait_empty()

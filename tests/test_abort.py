@@ -8,21 +8,13 @@ import json
 
 from proxy.fake_engine import AbortRoute, GenerationState
 
-from .conftest import RawClient, chat_body
+from .conftest import leave_mid_stream
 
 
 async def _leave_mid_stream(server, engine) -> str:  # type: ignore[no-untyped-def]
     """Start a long stream, read a token, leave; return the internal ID once tether let go."""
-    client = await RawClient.connect(server.port)
-    await client.send_request(chat_body(max_tokens=10_000))
-    await client.read_until(b"tok0")
-    [internal_id] = [
-        g.request_id for g in engine.generations.values() if g.state is GenerationState.RUNNING
-    ]
-    client.close_fin()
-    async with asyncio.timeout(5):  # tether handed the abort over once the request is gone
-        await server.context.registry.wait_empty()
-    return internal_id
+    await leave_mid_stream(server)
+    return list(engine.generations)[-1]  # the engine records requests in arrival order
 
 
 def _count(server, result: str) -> float:  # type: ignore[no-untyped-def]
@@ -108,12 +100,12 @@ async def test_completions_route_aborts_with_the_cmpl_prefix(fake_engine, tether
     """vLLM keys /v1/completions as cmpl-<id>; the abort names exactly that."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
-    client = await RawClient.connect(server.port)
-    await client.send_request(
-        {"prompt": "x", "stream": True, "max_tokens": 10_000}, path="/v1/completions"
+    await leave_mid_stream(
+        server,
+        close="rst",
+        body={"prompt": "x", "stream": True, "max_tokens": 10_000},
+        path="/v1/completions",
     )
-    await client.read_until(b"tok0")
-    client.close_rst()
     await engine.wait_for(lambda: engine.aborted_ids() != set())
     [internal_id] = engine.aborted_ids()
     assert engine.aborts[0].ids == (f"cmpl-{internal_id}",)

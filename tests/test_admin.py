@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.fake_engine import GenerationState
 
-from .conftest import RawClient, admin_url, chat_body, url
+from .conftest import admin_url, chat_body, leave_mid_stream, url
 
 
 async def _poll_status(http: aiohttp.ClientSession, target: str, status: int) -> dict:  # type: ignore[type-arg]
@@ -65,10 +65,7 @@ async def test_metrics_count_disconnects_and_aborts(fake_engine, tether, http) -
     server = await tether(engine_url)
     async with http.post(url(server), json=chat_body(max_tokens=3)) as response:
         await response.read()
-    client = await RawClient.connect(server.port)
-    await client.send_request(chat_body(max_tokens=10_000))
-    await client.read_until(b"tok0")
-    client.close_fin()
+    await leave_mid_stream(server)
     await engine.wait_for(lambda: engine.aborted_ids() != set())
     await server.context.aborts.drain()
 

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.fake_engine import FakeEngine, GenerationState
 
-from .conftest import RawClient, admin_url, chat_body, url
+from .conftest import admin_url, chat_body, leave_mid_stream, url
 
 
 def _free_port() -> int:
@@ -117,11 +117,7 @@ async def test_abort_endpoint_failing_is_bounded_and_logged_once(
     engine, engine_url = await fake_engine(token_interval=0.01)
     engine.abort_failures = 10_000
     server = await tether(engine_url, abort_timeout=0.1, abort_deadline=0.5)
-    client = await RawClient.connect(server.port)
-    await client.send_request(chat_body(max_tokens=100_000))
-    await client.read_until(b"tok0")
-    client.close_fin()
-    await server.context.registry.wait_empty()  # the client side is done before the aborts
+    await leave_mid_stream(server)  # the client side is done before the aborts are
     assert server.context.aborts.pending == 1
 
     await server.context.aborts.drain()
@@ -262,10 +258,7 @@ async def test_generation_state_after_faults_is_consistent(fake_engine, tether, 
     server = await tether(engine_url)
     async with http.post(url(server), json=chat_body(max_tokens=3)) as response:
         await response.read()
-    client = await RawClient.connect(server.port)
-    await client.send_request(chat_body(max_tokens=100_000))
-    await client.read_until(b"tok0")
-    client.close_rst()
+    await leave_mid_stream(server, close="rst")
     async with http.post(url(server), json=chat_body(max_tokens=50, fail_after=2)) as response:
         with pytest.raises(aiohttp.ClientPayloadError):
             await response.read()
