@@ -184,6 +184,35 @@ def upload_engine() -> tuple[FakeEngine, asyncio.Event, asyncio.Event]:
     return engine, head_received, broke_off
 
 
+@dataclass
+class BodyTarget:
+    """Where a test's request body goes: read whole as JSON, or streamed to an upload route."""
+
+    engine: FakeEngine
+    url: str
+    path: str
+    content_type: str
+    head_received: asyncio.Event | None  # streamed only: the engine got the request head
+    broke_off: asyncio.Event | None  # streamed only: the upload ended before its body did
+
+
+async def body_target(kind: str, fake_engine, upstream_app) -> BodyTarget:  # type: ignore[no-untyped-def]
+    """The engine for a `kind` of "json" (tether reads the body whole) or "streamed"."""
+    if kind == "json":
+        engine, url = await fake_engine()
+        return BodyTarget(engine, url, "/v1/chat/completions", "application/json", None, None)
+    engine, head_received, broke_off = upload_engine()
+    url = await upstream_app(engine.app)
+    return BodyTarget(
+        engine,
+        url,
+        "/v1/audio/transcriptions",
+        "application/octet-stream",
+        head_received,
+        broke_off,
+    )
+
+
 async def assert_closed(client: RawClient) -> None:
     """tether closed the connection (FIN, or RST when it left unread bytes behind)."""
     try:
@@ -279,14 +308,14 @@ async def test_silent_body_upload_is_cut_at_the_body_timeout(
     """A body that stops arriving is cut after TETHER_CLIENT_BODY_TIMEOUT of silence and the
     connection closed: a JSON body (read whole) never reaches the engine, a streamed one
     breaks off there, so the engine never has a complete request to work on."""
-    broke_off = None
-    if kind == "json":
-        engine, engine_url = await fake_engine()
-        path, content_type, head_received = "/v1/chat/completions", "application/json", None
-    else:
-        engine, head_received, broke_off = upload_engine()
-        engine_url = await upstream_app(engine.app)
-        path, content_type = "/v1/audio/transcriptions", "application/octet-stream"
+    target = await body_target(kind, fake_engine, upstream_app)
+    engine, engine_url, path, content_type = (
+        target.engine,
+        target.url,
+        target.path,
+        target.content_type,
+    )
+    head_received, broke_off = target.head_received, target.broke_off
     server = await tether(engine_url, client_body_timeout=BODY_TIMEOUT, health_interval=60)
     before = asyncio.all_tasks()
     client = await RawClient.connect(server.port)
@@ -576,13 +605,14 @@ async def test_body_shorter_than_declared_then_fin_is_a_disconnect_in_phase_body
 ) -> None:
     """A client that declares more body than it sends and then closes its side has left while
     sending: a JSON body never reaches the engine, a streamed one is aborted upstream."""
-    if kind == "json":
-        engine, engine_url = await fake_engine()
-        path, content_type, head_received = "/v1/chat/completions", "application/json", None
-    else:
-        engine, head_received, _ = upload_engine()
-        engine_url = await upstream_app(engine.app)
-        path, content_type = "/v1/audio/transcriptions", "application/octet-stream"
+    target = await body_target(kind, fake_engine, upstream_app)
+    engine, engine_url, path, content_type = (
+        target.engine,
+        target.url,
+        target.path,
+        target.content_type,
+    )
+    head_received = target.head_received
     server = await tether(engine_url)
     client = await RawClient.connect(server.port)
     await client.send_request(
