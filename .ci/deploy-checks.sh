@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Deployment checks (issue 4): the Dockerfile, the Kubernetes manifests, the compose file, the
-# Helm chart and its examples, the per-engine env files, and an image smoke test with podman.
+# Deployment checks (issues 4, 13, 14): the Dockerfile, the Kubernetes manifests, the compose
+# files, the Helm chart and its examples, the per-engine env files, an image smoke test with
+# podman, and the fleet compose example run for real (a fleet abort across two replicas).
 #
 #   bash .ci/deploy-checks.sh
 #
@@ -13,6 +14,7 @@
 #   TETHER_DEPLOY_CACHE  tools venv, helm, cached base image rootfs
 #                        (default /var/cache/tether-deploy-checks)
 #   TETHER_SKIP_IMAGE=1  skip the image smoke test (reported, never silent)
+#   TETHER_SKIP_FLEET=1  skip the fleet compose run (reported, never silent)
 # Ports: free loopback ports are picked at run time.
 set -euo pipefail
 
@@ -133,13 +135,51 @@ step "Kubernetes manifests: deploy/k8s (kubernetes-validate --strict -k $K8S_VER
 "${KV[@]}" deploy/k8s/*.yaml deploy/k8s/optional/*.yaml
 ok "deploy/k8s validates"
 
-step "compose file: deploy/docker/compose.yaml (docker compose config, each profile)"
+step "compose files: compose.yaml (each profile), compose.fleet.yaml (docker compose config)"
 for profile in fake vllm; do
   docker-compose -f deploy/docker/compose.yaml --profile "$profile" config --quiet
   docker-compose -f deploy/docker/compose.yaml --profile "$profile" config --format json \
     > "$WORK/compose-$profile.json"
 done
 ok "compose.yaml is valid for profiles fake and vllm"
+# The fleet refuses to start without the admin token its replicas share.
+if env -u TETHER_ADMIN_TOKEN docker-compose -f deploy/docker/compose.fleet.yaml config --quiet \
+     > "$WORK/fleet-config.txt" 2>&1; then
+  die "compose.fleet.yaml is valid without TETHER_ADMIN_TOKEN"
+fi
+TETHER_ADMIN_TOKEN=ci docker-compose -f deploy/docker/compose.fleet.yaml config --format json \
+  > "$WORK/compose-fleet.json"
+"$PY" - "$WORK/compose-fleet.json" <<'EOF'
+"""Each replica: one namespace owner publishing tether's ports only, one fake engine on
+loopback, one tether peering with every other replica's admin port and the shared token."""
+import json, sys
+services = json.load(open(sys.argv[1]))["services"]
+tethers = {n: s for n, s in services.items() if n.startswith("tether-")}
+problems = []
+for name, s in sorted(tethers.items()):
+    replica = s["network_mode"].removeprefix("service:")
+    env = s["environment"]
+    peers = {p.strip() for p in env.get("TETHER_FLEET_PEERS", "").split(",") if p.strip()}
+    others = {t["network_mode"].removeprefix("service:") for n, t in tethers.items() if n != name}
+    if peers != {f"{o}:9090" for o in others}:
+        problems.append(f"{name}: TETHER_FLEET_PEERS {sorted(peers)} must name the other replicas' admin ports")
+    if env.get("TETHER_REPLICA_NAME") != replica:
+        problems.append(f"{name}: TETHER_REPLICA_NAME must be its replica's name, {replica}")
+    if env.get("TETHER_ADMIN_TOKEN") != "ci":
+        problems.append(f"{name}: TETHER_ADMIN_TOKEN must come from the shared variable")
+    engines = [n for n, e in services.items() if e.get("network_mode") == f"service:{replica}"
+               and e.get("entrypoint") == ["tether-fake-engine"]]
+    if len(engines) != 1 or "127.0.0.1" not in services[engines[0]]["command"]:
+        problems.append(f"{name}: one fake engine on 127.0.0.1 in {replica}'s namespace expected")
+    ports = sorted((p["target"], p.get("host_ip", "")) for p in services[replica].get("ports", []))
+    if ports != [(8080, ""), (9090, "127.0.0.1")]:
+        problems.append(f"{replica}: must publish tether's 8080, and 9090 on host loopback, only")
+for p in problems:
+    print("PROBLEM", p)
+print(f"compose.fleet.yaml: {len(tethers)} replicas, each peering with the others")
+sys.exit(1 if problems else 0)
+EOF
+ok "compose.fleet.yaml: valid, needs TETHER_ADMIN_TOKEN, each tether peers with the other replicas"
 
 # ------------------------------------------------------------------------------------------
 step "Helm 4 and 3: lint --strict, template | kubernetes-validate --strict, per values example"
@@ -166,7 +206,14 @@ done
 render all-optional "$CHART" -f "$CHART/examples/vllm-deployment.yaml" \
   --set podMonitor.enabled=true --set adminToken.existingSecret= --set adminToken.value=ci \
   --set upstreamAdminKey.value=ci --set config.requestTimeout=600 \
-  --set config.streamIdleTimeout=120.5 --set 'config.blockedPaths={/abort_requests,/pause}'
+  --set config.streamIdleTimeout=120.5 --set 'config.blockedPaths={/abort_requests,/pause}' \
+  --set fleet.enabled=true --set networkPolicy.enabled=true --set prometheusRule.enabled=true \
+  --set grafanaDashboard.enabled=true --set config.requestIdMode=preserve \
+  --set config.abortConfirmTimeout=3 --set config.fleetTimeout=0.5 --set config.tracing=off
+# A fleet that names its peers instead of a headless Service.
+render fleet-static-peers "$CHART" -f "$CHART/examples/fleet.yaml" \
+  --set fleet.headlessService.enabled=false \
+  --set 'config.fleetPeers={llama-0.example:9090,[fd00::1]:9090}'
 
 # Way (b): a parent chart that includes tether.sidecar. Built in a copy, so the dependency
 # archive does not land in the work tree.
@@ -175,16 +222,27 @@ cp -r deploy/helm "$WORK/helm"
 render parent-model-server "$WORK/helm/examples/model-server"
 
 # values.schema.json must reject wrong types: each of these has to fail.
-for bad in config.port=http config.engine=tgi config.shutdownGrace=-1 config.requestTimeout=soon \
-           replicaCount=one mode=daemonset image.pullPolicy=Sometimes config.prot=1 \
-           service.port=0 engine.probes.enabled=maybe; do
+BAD=(config.port=http config.engine=tgi config.shutdownGrace=-1 config.requestTimeout=soon
+     replicaCount=one mode=daemonset image.pullPolicy=Sometimes config.prot=1
+     service.port=0 engine.probes.enabled=maybe
+     # fleet, NetworkPolicy, rules, dashboard (issues 13 and 14)
+     fleet.enabled=maybe fleet.headlessService.enabled=1 fleet.headlessService.name=Fleet_Svc
+     fleet.clusterDomain=- fleet.peers=x networkPolicy.enabled=yes networkPolicy.clientFrom=everyone
+     networkPolicy.prometheus.namespaceSelector=monitoring
+     networkPolicy.prometheus.podSelector.matchLabels=prometheus
+     'networkPolicy.adminFrom[0].pods=x' sidecarPodLabels=model-server
+     prometheusRule.enabled=on prometheusRule.labels=x grafanaDashboard.enabled=1
+     grafanaDashboard.labelValue=1 'grafanaDashboard.label=a b'
+     config.requestIdMode=random config.fleetDns=bad_name! 'config.fleetPeers={nohost}'
+     config.fleetPeers=a:1 config.fleetTimeout=-1 config.abortConfirmTimeout=0 config.tracing=maybe)
+for bad in "${BAD[@]}"; do
   for helm in "$HELM" "$HELM3"; do
     if "$helm" lint --strict "$CHART" --set "$bad" > "$WORK/bad.txt" 2>&1; then
       die "values.schema.json accepted --set $bad ($helm)"
     fi
   done
 done
-ok "values.schema.json rejects 10 wrong values (helm 4 and 3)"
+ok "values.schema.json rejects ${#BAD[@]} wrong values (helm 4 and 3)"
 
 # ------------------------------------------------------------------------------------------
 step "consistency: pods, Services, monitors, grace periods (rendered charts + deploy/k8s)"
@@ -200,6 +258,8 @@ import yaml
 
 rendered, envsets_out = sys.argv[1:]
 problems, envsets = [], []
+RULES = yaml.safe_load(open("deploy/prometheus/tether-rules.yaml"))
+DASHBOARD = json.load(open("deploy/grafana/tether-dashboard.json"))
 
 def fail(where, msg):
     problems.append(f"{where}: {msg}")
@@ -211,7 +271,7 @@ for path in sorted(glob.glob(f"{rendered}/*.yaml")):
     name = os.path.basename(path)
     docs = [d for d in yaml.safe_load_all(open(path)) if d]
     configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
-    pods = []
+    pods, tether_pods = [], []
     for d in docs:
         if d["kind"] != "Deployment":
             continue
@@ -233,6 +293,7 @@ for path in sorted(glob.glob(f"{rendered}/*.yaml")):
             env.update(configmaps.get(src.get("configMapRef", {}).get("name"), {}))
         env.update({e["name"]: e["value"] for e in t.get("env", []) if "value" in e})
         envsets.append({"where": where, "env": env})
+        tether_pods.append((labels, spec, env, where))
         ports = {p["name"]: p["containerPort"] for p in t["ports"]}
         if ports.get("tether-http") != int(env.get("TETHER_PORT", 8080)):
             fail(where, "containerPort tether-http differs from TETHER_PORT")
@@ -300,6 +361,87 @@ for path in sorted(glob.glob(f"{rendered}/*.yaml")):
                     if ep["port"] not in names:
                         fail(where, f"port {ep['port']} is no container port of the selected pod")
 
+
+    # --- fleet: the headless Service on the admin port, and TETHER_FLEET_DNS naming it ------
+    headless = {s["metadata"]["name"]: s for s in services if s["spec"].get("clusterIP") == "None"}
+    for svc_name, s in headless.items():
+        where = f"{name} Service/{svc_name} (headless)"
+        if s["spec"].get("publishNotReadyAddresses") is not True:
+            fail(where, "publishNotReadyAddresses must be true (draining replicas still hold requests)")
+        if [p.get("targetPort") for p in s["spec"]["ports"]] != ["tether-admin"]:
+            fail(where, "must expose tether's admin port only")
+    for labels, spec, env, where in tether_pods:
+        dns = env.get("TETHER_FLEET_DNS")
+        if headless and not dns and not env.get("TETHER_FLEET_PEERS"):
+            fail(where, "a fleet Service is rendered but tether has neither TETHER_FLEET_DNS nor TETHER_FLEET_PEERS")
+        if not dns:
+            continue
+        svc_name, _, rest = dns.partition(".")
+        if rest != "default.svc.cluster.local":  # helm template's namespace, the chart's default domain
+            fail(where, f"TETHER_FLEET_DNS {dns} is not <service>.default.svc.cluster.local")
+        s = headless.get(svc_name)
+        if s is None:
+            fail(where, f"TETHER_FLEET_DNS names {svc_name}, no headless Service of this render")
+            continue
+        if not sel_matches(s["spec"]["selector"], labels):
+            fail(where, f"the fleet Service {svc_name} does not select this pod")
+        if [p["port"] for p in s["spec"]["ports"]] != [int(env.get("TETHER_ADMIN_PORT", 9090))]:
+            fail(where, f"the fleet Service {svc_name} port differs from TETHER_ADMIN_PORT")
+        if not env.get("TETHER_ADMIN_TOKEN") and not any(
+                e["name"] == "TETHER_ADMIN_TOKEN" for c in spec["containers"] if c["name"] == "tether"
+                for e in c.get("env", [])):
+            fail(where, "a fleet needs TETHER_ADMIN_TOKEN")
+
+    # --- NetworkPolicy: selects the pod; client port open (or as set), admin port only from
+    # this release's pods and Prometheus; nothing else admitted ------------------------------
+    for d in docs:
+        if d["kind"] != "NetworkPolicy":
+            continue
+        where = f"{name} NetworkPolicy/{d['metadata']['name']}"
+        spec_np = d["spec"]
+        selected = [(labels, spec) for labels, spec, _, _ in tether_pods
+                    if sel_matches(spec_np["podSelector"].get("matchLabels"), labels)]
+        if tether_pods and not selected:
+            fail(where, "selects no pod of this render")
+        if "Ingress" not in spec_np.get("policyTypes", []):
+            fail(where, "policyTypes must include Ingress")
+        rules = {}
+        for rule in spec_np.get("ingress", []):
+            if not rule.get("ports"):
+                fail(where, "an ingress rule without ports admits every port")
+            for port in rule.get("ports", []):
+                rules.setdefault(port.get("port"), []).append(rule)
+        if set(rules) != {"tether-http", "tether-admin"}:
+            fail(where, f"must admit exactly tether's ports tether-http and tether-admin, not {sorted(rules, key=str)}")
+        for labels, spec in selected:
+            names = [p["name"] for c in spec["containers"] if c["name"] == "tether" for p in c["ports"]]
+            if not {"tether-http", "tether-admin"} <= set(names):
+                fail(where, "the selected pod's tether has no ports tether-http / tether-admin")
+        for rule in rules.get("tether-admin", []):
+            peers = rule.get("from", [])
+            if not peers:
+                fail(where, "the admin port is open to everyone")
+            # Without a pod in this render (sidecar values alone), the policy's own selector.
+            targets = [labels for labels, _ in selected] or [spec_np["podSelector"].get("matchLabels")]
+            own = [p for p in peers if set(p) == {"podSelector"} and any(
+                sel_matches(p["podSelector"].get("matchLabels"), labels) for labels in targets)]
+            if not own:
+                fail(where, "the admin port does not admit this release's own pods (the fleet's calls)")
+            if not [p for p in peers if p not in own]:
+                fail(where, "the admin port admits no Prometheus (namespaceSelector / podSelector peer)")
+
+    # --- observability: the PrometheusRule and the dashboard ConfigMap carry the sources -----
+    for d in docs:
+        if d["kind"] == "PrometheusRule":
+            if d["spec"] != RULES:
+                fail(f"{name} PrometheusRule/{d['metadata']['name']}", "spec differs from deploy/prometheus/tether-rules.yaml")
+        if d["kind"] == "ConfigMap" and "tether-dashboard.json" in d.get("data", {}):
+            where = f"{name} ConfigMap/{d['metadata']['name']}"
+            if json.loads(d["data"]["tether-dashboard.json"]) != DASHBOARD:
+                fail(where, "dashboard differs from deploy/grafana/tether-dashboard.json")
+            if d["metadata"]["labels"].get("grafana_dashboard") != "1":
+                fail(where, 'the Grafana sidecar label grafana_dashboard: "1" is missing')
+
 json.dump(envsets, open(envsets_out, "w"))
 for line in problems:
     print("PROBLEM", line)
@@ -312,17 +454,21 @@ ok "pods, Services, monitors and grace periods are consistent"
 # compose, config/*.env. Needs the tether package importable (the project venv).
 if "$PY" -c 'import proxy.settings' 2>/dev/null; then
   "$PY" - "$WORK/envsets.json" "$WORK/compose-fake.json" "$WORK/compose-vllm.json" \
-    "$CHART/values.yaml" config/*.env <<'EOF'
+    "$WORK/compose-fleet.json" "$CHART/values.yaml" config/*.env <<'EOF'
 import json, os, re, sys
 from pydantic import ValidationError
 from proxy.settings import Settings, describe_errors
 
-envsets_path, compose_fake, compose_vllm, values_path, *env_files = sys.argv[1:]
+envsets_path, compose_fake, compose_vllm, compose_fleet, values_path, *env_files = sys.argv[1:]
 sets = json.load(open(envsets_path))
-for path in (compose_fake, compose_vllm):
-    env = json.load(open(path))["services"]["tether"]["environment"]
-    sets.append({"where": f"compose ({os.path.basename(path)})",
-                 "env": {k: v for k, v in env.items() if v is not None}})
+for path in (compose_fake, compose_vllm, compose_fleet):
+    services = json.load(open(path))["services"]
+    for name, service in sorted(services.items()):
+        if name != "tether" and not name.startswith("tether-"):
+            continue
+        env = service["environment"]  # compose config has merged the env_file in
+        sets.append({"where": f"compose {name} ({os.path.basename(path)})",
+                     "env": {k: v for k, v in env.items() if v is not None}})
 for path in env_files:
     env = dict(line.split("=", 1) for line in open(path).read().splitlines()
                if line and not line.startswith("#"))
@@ -349,7 +495,14 @@ keys = set(re.findall(r"^  ([a-zA-Z]+):", config_block, re.M))
 to_snake = lambda k: re.sub(r"([A-Z])", r"_\1", k).lower()
 covered = {to_snake(k) for k in keys} | {"admin_token", "upstream_admin_key"}
 missing = sorted(set(Settings.model_fields) - covered)
-unknown = sorted({to_snake(k) for k in keys} - set(Settings.model_fields))
+# Settings being added to tether now (issues 13, 14): in values.yaml already, tolerated while
+# tether does not know them yet.
+pending = {"request_id_mode", "fleet_dns", "fleet_peers", "fleet_timeout", "replica_name",
+           "abort_confirm_timeout", "tracing", "sglang_rid_header"}
+unknown = sorted({to_snake(k) for k in keys} - set(Settings.model_fields) - pending)
+for name in sorted(pending & {to_snake(k) for k in keys}):
+    print(f"NOTE TETHER_{name.upper()}:", "known to tether now: drop it from pending here"
+          if name in Settings.model_fields else "not in tether's Settings yet (pending)")
 if missing:
     bad += 1
     print("PROBLEM values.yaml config lacks:", ", ".join(f"TETHER_{m.upper()}" for m in missing))
@@ -675,8 +828,9 @@ EOF
   "$PY" -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$admin_port/metrics').read().decode())" \
     | grep -E '^tether_(aborts_total|client_disconnects_total|abort_latency_seconds_(count|sum))' \
     | tee "$WORK/metrics.txt"
-  grep -qE '^tether_aborts_total\{.*result="ok".*\} [1-9]' "$WORK/metrics.txt" \
-    || die 'tether_aborts_total{result="ok"} did not count the abort'
+  # confirmed: the engine ended the response after the abort call (ok: before issue 14)
+  grep -qE '^tether_aborts_total\{.*result="(confirmed|ok)".*\} [1-9]' "$WORK/metrics.txt" \
+    || die 'tether_aborts_total{result="confirmed"} did not count the abort'
   ok "client disconnect -> abort at the engine, counted in tether_aborts_total"
 
   # --- graceful stop: a request in flight finishes, then exit 0 -----------------------------
@@ -808,14 +962,110 @@ print(" ".join(name + ":" + p["published"] + "->" + str(p["target"])
   ok "compose stop: tether stopped first, drained the in-flight stream, exit 0"
   "${COMPOSE_DOWN[@]}" > /dev/null 2>&1 || true
   COMPOSE_DOWN=()
+  COMPOSE_RAN=1
+}
+
+# The fleet example run for real (issue 13): two replicas (fake engine + tether each), a long
+# stream through replica 2 with a known request ID, then `tether abort ID --fleet` on replica
+# 1's admin port. The CLI must name replica 2, the engine behind replica 2 must log the abort,
+# and the client's stream must end. Needs the fleet settings and the CLI in the image.
+fleet_smoke_test() {
+  local image=$IMAGE_BUILT project=tether-ci-fleet-$$ sock=$WORK/podman.sock
+  if [[ ${TETHER_SKIP_FLEET:-0} == 1 ]]; then
+    echo "FLEET RUN SKIPPED: TETHER_SKIP_FLEET=1"
+    return 0
+  fi
+  # Replicas reach each other by service name: podman's CNI networks need the dnsname plugin.
+  if [[ $(podman info --format '{{.Host.NetworkBackend}}') == cni && ! -x /usr/lib/cni/dnsname ]]; then
+    echo "installing golang-github-containernetworking-plugin-dnsname (DNS on podman's CNI networks)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      golang-github-containernetworking-plugin-dnsname >/dev/null
+  fi
+  if [[ ! -S $sock ]]; then
+    podman system service --time=0 "unix://$sock" > "$WORK/podman-service-fleet.log" 2>&1 &
+    PIDS+=($!)
+    for _ in $(seq 50); do [[ -S $sock ]] && break; sleep 0.1; done
+  fi
+  local p1 a1 p2 a2
+  read -r p1 a1 p2 a2 < <(free_ports 4)
+  local dc=(docker-compose -p "$project" -f deploy/docker/compose.fleet.yaml)
+  export DOCKER_HOST=unix://$sock TETHER_IMAGE=$image TETHER_ADMIN_TOKEN=ci-fleet-token
+  export FLEET_1_PORT=$p1 FLEET_1_ADMIN=127.0.0.1:$a1 FLEET_2_PORT=$p2 FLEET_2_ADMIN=127.0.0.1:$a2
+  COMPOSE_DOWN=("${dc[@]}" down --timeout 5)
+  "${dc[@]}" up -d --no-build --pull never > "$WORK/fleet-up.log" 2>&1 \
+    || { cat "$WORK/fleet-up.log"; die "docker compose up (compose.fleet.yaml) failed"; }
+  local client=("$PY" "$WORK/client.py")
+  "${client[@]}" wait "$a1" /readyz
+  "${client[@]}" wait "$a2" /readyz
+  "${dc[@]}" ps --format '{{.Service}}: {{.State}}' | paste -sd, -
+  local t1 t2 e1 e2
+  t1=$("${dc[@]}" ps -q tether-1)
+  t2=$("${dc[@]}" ps -q tether-2)
+  e1=$("${dc[@]}" ps -q engine-1)
+  e2=$("${dc[@]}" ps -q engine-2)
+  pm exec "$t1" python -c '
+import socket, urllib.request
+print("replica-2 from replica 1:", socket.gethostbyname("replica-2"),
+      urllib.request.urlopen("http://replica-2:9090/readyz", timeout=3).read().decode())' \
+    || die "fleet: replica 1 cannot reach replica 2's admin port by name"
+  ok "compose.fleet.yaml up: two replicas ready, replica 1 reaches replica 2's admin port"
+
+  # A long stream through replica 2, in flight before the abort.
+  "${client[@]}" cut "$p2" ci-fleet-1 > "$WORK/fleet-stream.txt" 2>&1 &
+  local stream_pid=$! deadline=$((SECONDS + 10))
+  PIDS+=("$stream_pid")
+  until "$PY" -c "import sys, urllib.request as u; sys.exit('ci-fleet-1' not in u.urlopen('http://127.0.0.1:$a2/admin/requests').read().decode())"; do
+    (( SECONDS < deadline )) || die "fleet: the stream through replica 2 never showed in its /admin/requests"
+    sleep 0.1
+  done
+  echo "stream ci-fleet-1 in flight on replica 2 (its /admin/requests lists it)"
+
+  local rc=0
+  pm exec "$t1" tether abort ci-fleet-1 --fleet --admin-url http://127.0.0.1:9090 \
+    > "$WORK/fleet-abort.txt" 2>&1 || rc=$?
+  echo "tether abort ci-fleet-1 --fleet --admin-url http://127.0.0.1:9090 (inside tether-1): exit $rc"
+  cat "$WORK/fleet-abort.txt"
+  if [[ $rc != 0 ]]; then
+    die "fleet: the CLI failed (expected until \`tether abort\` and the fleet settings land, issue 13)"
+  fi
+  # Replica 2 as the CLI may name it: TETHER_REPLICA_NAME (replica-2, also its address in
+  # replica 1's TETHER_FLEET_PEERS), or its host name.
+  local names=(replica-2 "$(pm exec "$t2" python -c 'import socket; print(socket.gethostname())')")
+  grep -qF -e "${names[0]}" -e "${names[1]}" "$WORK/fleet-abort.txt" \
+    || die "fleet: the CLI's output does not name replica 2 (${names[*]})"
+  ok "tether abort --fleet on replica 1 names replica 2 as the holder"
+
+  deadline=$((SECONDS + 10))
+  until pm logs "$e2" 2>&1 | grep -q abort_received; do
+    (( SECONDS < deadline )) || die "fleet: no abort reached the engine behind replica 2"
+    sleep 0.1
+  done
+  pm logs "$e2" 2>&1 | grep abort_received | tail -1
+  if pm logs "$e1" 2>&1 | grep -q abort_received; then
+    die "fleet: the engine behind replica 1 got an abort for a request it never had"
+  fi
+  wait "$stream_pid" || true
+  cat "$WORK/fleet-stream.txt"
+  grep -q 'not received (stream cut)' "$WORK/fleet-stream.txt" \
+    || die "fleet: the client's stream through replica 2 was not cut"
+  ok "fleet abort: the engine behind replica 2 logged abort_received, the client's stream was cut"
+  "${COMPOSE_DOWN[@]}" > /dev/null 2>&1 || true
+  COMPOSE_DOWN=()
 }
 
 IMAGE_BUILT=""
+COMPOSE_RAN=0
 
 image_smoke_test
 if [[ -n $IMAGE_BUILT ]]; then
   step "compose file, profile fake, run for real (docker compose -> podman API)"
   compose_smoke_test
+  step "compose.fleet.yaml run for real: a fleet abort across two replicas"
+  if ((COMPOSE_RAN)); then
+    fleet_smoke_test
+  else
+    echo "FLEET RUN SKIPPED: the compose run above could not run here"
+  fi
 fi
 
 step "done"

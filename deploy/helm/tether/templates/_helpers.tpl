@@ -69,7 +69,11 @@ with commas (TETHER_BLOCKED_PATHS).
 {{- end -}}
 {{- end -}}
 
-{{/* TETHER_* env vars from .Values.config; null, "" and [] are left to tether's default. */}}
+{{/*
+TETHER_* env vars from .Values.config; null, "" and [] are left to tether's default. With
+fleet.enabled and the headless Service on, TETHER_FLEET_DNS is that Service's FQDN unless
+config.fleetDns names another.
+*/}}
 {{- define "tether.configEnv" -}}
 {{- range $key, $value := .Values.config }}
 {{- $unset := or (kindIs "invalid" $value) (and (kindIs "string" $value) (eq $value "")) (and (kindIs "slice" $value) (eq (len $value) 0)) }}
@@ -78,6 +82,35 @@ with commas (TETHER_BLOCKED_PATHS).
   value: {{ include "tether.formatValue" $value | quote }}
 {{- end }}
 {{- end }}
+{{- if and .Values.fleet.enabled .Values.fleet.headlessService.enabled (not .Values.config.fleetDns) }}
+- name: TETHER_FLEET_DNS
+  value: {{ include "tether.fleetDns" . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The labels of the pods that carry tether, as a YAML map: this chart's pods in deployment
+mode, sidecarPodLabels (the parent chart's pods) in sidecar mode. (list ctx "what needs it")
+*/}}
+{{- define "tether.podSelector" -}}
+{{- $ctx := index . 0 -}}
+{{- if eq $ctx.Values.mode "deployment" -}}
+{{- include "tether.selectorLabels" $ctx -}}
+{{- else if $ctx.Values.sidecarPodLabels -}}
+{{- toYaml $ctx.Values.sidecarPodLabels -}}
+{{- else -}}
+{{- fail (printf "sidecarPodLabels is required in sidecar mode for %s: the labels of the pods that carry the tether container" (index . 1)) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The fleet's headless Service (admin port of every replica). */}}
+{{- define "tether.fleetServiceName" -}}
+{{- default (printf "%s-fleet" (include "tether.fullname" . | trunc 57 | trimSuffix "-")) .Values.fleet.headlessService.name -}}
+{{- end -}}
+
+{{/* Its FQDN, which resolves to every replica's address (TETHER_FLEET_DNS). */}}
+{{- define "tether.fleetDns" -}}
+{{- printf "%s.%s.svc.%s" (include "tether.fleetServiceName" .) .Release.Namespace .Values.fleet.clusterDomain -}}
 {{- end -}}
 
 {{/* (list ctx "ENV_NAME" spec): env var from existingSecret, or from the chart's Secret. */}}
@@ -119,6 +152,9 @@ connections; the rest is margin).
 
 {{/* The tether container, as one item of a pod's containers list. */}}
 {{- define "tether.sidecar" -}}
+{{- if and .Values.fleet.enabled (not (or .Values.adminToken.existingSecret .Values.adminToken.value)) -}}
+{{- fail "fleet.enabled needs adminToken (existingSecret or value): the replicas call each other's POST /admin/abort with it" -}}
+{{- end -}}
 {{- $env := include "tether.configEnv" . | trim -}}
 {{- $secrets := printf "%s\n%s" (include "tether.secretEnv" (list . "TETHER_ADMIN_TOKEN" .Values.adminToken)) (include "tether.secretEnv" (list . "TETHER_UPSTREAM_ADMIN_KEY" .Values.upstreamAdminKey)) | trim -}}
 - name: tether
