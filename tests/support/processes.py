@@ -1,0 +1,236 @@
+"""The real `tether` process (and the fake engine) as subprocesses on loopback.
+
+Each starter returns once the process answers its probe, or fails early with what the process
+printed. A tether's output (stdout and stderr) is kept for the test and copied line by line
+into the run's collected log. The `tether_process` and `engine_process` fixtures in
+`tests/conftest.py` stop whatever a test left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .collected_log import CLI, CollectedLog, subprocess_source
+from .net import free_port
+from .waiting import poll_until
+
+READY_TIMEOUT = 15.0
+EXIT_TIMEOUT = 10.0
+
+
+def tether_environment(**env: str) -> dict[str, str]:
+    """This process's environment without any TETHER_* variable, plus `env`."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
+    return {**clean, **env}
+
+
+@dataclass(eq=False)
+class TetherProcess:
+    """`python -m proxy` started by a test."""
+
+    process: asyncio.subprocess.Process
+    port: int
+    admin_port: int
+    _log: CollectedLog
+    host: str = "127.0.0.1"
+    _output: list[str] = field(default_factory=list)
+    _pump: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def url(self, path: str = "/v1/chat/completions") -> str:
+        return f"http://{self.host}:{self.port}{path}"
+
+    def admin_url(self, path: str) -> str:
+        return f"http://{self.host}:{self.admin_port}{path}"
+
+    def output(self) -> str:
+        """Everything the process printed so far (complete lines)."""
+        return "".join(self._output)
+
+    def send_signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    async def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
+        """Its exit code, once it exited and its output is read to the end."""
+        async with asyncio.timeout(timeout):
+            code = await self.process.wait()
+            if self._pump is not None:
+                await self._pump
+        return code
+
+    async def stop(self, signum: int = signal.SIGTERM, timeout: float = EXIT_TIMEOUT) -> int:
+        """Signal it and wait for its exit code."""
+        if self.process.returncode is None:
+            self.send_signal(signum)
+        return await self.wait_exit(timeout)
+
+    async def close(self) -> None:
+        """Kill it if it still runs (test teardown)."""
+        if self.process.returncode is None:
+            self.process.kill()
+        await self.wait_exit()
+
+    def _start_pump(self) -> None:
+        self._pump = asyncio.get_running_loop().create_task(self._read_output())
+
+    async def _read_output(self) -> None:
+        assert self.process.stdout is not None
+        source = subprocess_source(self.pid)
+        partial = b""
+        # Chunks, not readline(): a line may be longer than a StreamReader's line limit.
+        while chunk := await self.process.stdout.read(65536):
+            complete, newline, partial = (partial + chunk).rpartition(b"\n")
+            if newline:
+                text = complete.decode(errors="backslashreplace") + "\n"
+                self._output.append(text)
+                self._log.add_lines(source, text)
+        if partial:
+            text = partial.decode(errors="backslashreplace")
+            self._output.append(text)
+            self._log.add_lines(source, text)
+
+
+async def start_tether_process(
+    engine_url: str,
+    log: CollectedLog,
+    env: Mapping[str, str] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+    ready_timeout: float = READY_TIMEOUT,
+) -> TetherProcess:
+    """`python -m proxy` in front of `engine_url`, both its ports on `host` (free ports unless
+    `env` sets TETHER_PORT / TETHER_ADMIN_PORT), with the TETHER_* settings in `env` on top
+    of test defaults (fast health checks, no repeated abort); returns once `/readyz` is 200.
+    `prefix` runs it under another command (e.g. `unshare` for a private /etc/hosts)."""
+    settings = {
+        "TETHER_UPSTREAM_URL": engine_url,
+        "TETHER_HOST": host,
+        "TETHER_PORT": str(free_port()),
+        "TETHER_ADMIN_HOST": host,
+        "TETHER_ADMIN_PORT": str(free_port()),
+        "TETHER_HEALTH_INTERVAL": "0.1",
+        "TETHER_ABORT_REPEAT_DELAY": "0",
+        **(env or {}),
+    }
+    process = await asyncio.create_subprocess_exec(
+        *prefix,
+        sys.executable,
+        "-m",
+        "proxy",
+        env=tether_environment(**settings),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    port, admin_port = int(settings["TETHER_PORT"]), int(settings["TETHER_ADMIN_PORT"])
+    tether = TetherProcess(process, port, admin_port, log, host)
+    tether._start_pump()
+    try:
+        await _wait_ready(process, tether.admin_url("/readyz"), ready_timeout, tether.output)
+    except BaseException:
+        await tether.close()
+        raise
+    return tether
+
+
+@dataclass(eq=False)
+class EngineProcess:
+    """The fake engine (`python -m proxy.fake_engine`) started by a test."""
+
+    process: asyncio.subprocess.Process
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def close(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+        await asyncio.wait_for(self.process.wait(), EXIT_TIMEOUT)
+
+
+async def start_engine_process(*args: str, ready_timeout: float = READY_TIMEOUT) -> EngineProcess:
+    """The fake engine with these command-line options on a free port; returns once its
+    `/health` answers 200."""
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy.fake_engine",
+        "--port",
+        str(port),
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    engine = EngineProcess(process, port)
+    try:
+        await _wait_ready(process, f"{engine.url}/health", ready_timeout, lambda: "")
+    except BaseException:
+        await engine.close()
+        raise
+    return engine
+
+
+def run_tether_cli(
+    log: CollectedLog,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> subprocess.CompletedProcess[str]:
+    """`python -m proxy ARGS` run to its end with only `env` as TETHER_* settings, outside
+    the repository (no stray .env); its output also goes to the collected log."""
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        env=tether_environment(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+    )
+    log.add_lines(CLI, result.stdout)
+    log.add_lines(CLI, result.stderr)
+    return result
+
+
+async def _wait_ready(
+    process: asyncio.subprocess.Process,
+    probe: str,
+    timeout: float,
+    output: Callable[[], str],
+) -> None:
+    """Poll `probe` until it answers 200 (the process offers no other readiness signal);
+    fail at once, with the process's output, if it exits first."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+
+        async def ready() -> bool:
+            if process.returncode is not None:
+                raise AssertionError(
+                    f"{probe}: the process exited ({process.returncode}) before it was ready:\n"
+                    f"{output()}"
+                )
+            async with session.get(probe) as response:
+                return response.status == 200
+
+        await poll_until(
+            ready,
+            timeout,
+            interval=0.05,
+            what=f"{probe} to answer 200",
+            ignoring=(aiohttp.ClientError, TimeoutError),
+        )

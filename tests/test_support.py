@@ -1,0 +1,148 @@
+"""The test toolkit itself: its reads cannot pass on a typo, its waits end, and the canary
+grep finds what it is there to find (and only in what tether wrote)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from .support.canaries import CANARY_PROMPT, CANARY_SECRET, LEAK_MARKERS, canary_bytes
+from .support.collected_log import IN_PROCESS, UPSTREAM, CollectedLog, subprocess_source
+from .support.leak_check import find_leaks, main
+from .support.metrics import metric, metric_in_text
+from .support.waiting import poll_until, within
+
+
+def _registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    aborts = Counter("t_aborts", "Aborts.", ["engine", "result"], registry=registry)
+    aborts.labels("vllm", "ok").inc(3)
+    Counter("t_unused", "Never incremented.", ["phase"], registry=registry)
+    Gauge("t_in_flight", "In flight.", registry=registry).set(2)
+    return registry
+
+
+def test_metric_reads_a_sample_by_its_exposition_name_and_labels() -> None:
+    """`name_total{labels}` as /metrics shows it; unseen label values read as 0."""
+    registry = _registry()
+    assert metric(registry, "t_aborts_total", engine="vllm", result="ok") == 3
+    assert metric(registry, "t_aborts_total", engine="vllm", result="failed") == 0
+    assert metric(registry, "t_unused_total", phase="body") == 0
+    assert metric(registry, "t_in_flight") == 2
+
+
+def test_metric_refuses_unknown_names_and_partial_labels() -> None:
+    """A typo in a name or a missing label raises instead of reading as 0."""
+    registry = _registry()
+    with pytest.raises(KeyError, match="t_abort_total"):
+        metric(registry, "t_abort_total", engine="vllm", result="ok")
+    with pytest.raises(KeyError):
+        metric(registry, "t_aborts", engine="vllm", result="ok")  # the family, not a sample
+    with pytest.raises(ValueError, match="engine"):
+        metric(registry, "t_aborts_total", result="ok")
+
+
+def test_metric_in_text_reads_prometheus_exposition() -> None:
+    """The same reads on the text another process's /metrics answered."""
+    registry = _registry()
+    registry_text = generate_latest(registry).decode()
+    assert metric_in_text(registry_text, "t_aborts_total", engine="vllm", result="ok") == 3
+    text = '# TYPE t_aborts_total counter\nt_aborts_total{engine="vllm",result="ok"} 4.0\n'
+    assert metric_in_text(text, "t_aborts_total", engine="vllm", result="ok") == 4
+    with pytest.raises(KeyError):
+        metric_in_text(text, "t_missing_total")
+
+
+async def test_poll_until_returns_what_the_condition_found() -> None:
+    """The first truthy result is returned; a coroutine function works as well."""
+    calls: list[int] = []
+
+    async def third_time() -> str | None:
+        calls.append(1)
+        return "found" if len(calls) == 3 else None
+
+    assert await poll_until(third_time, 5, interval=0.001) == "found"
+
+
+async def test_poll_until_fails_with_a_message_at_its_timeout() -> None:
+    """A condition that never holds fails after the timeout, naming what was awaited and the
+    last error it swallowed."""
+
+    def refused() -> bool:
+        raise ConnectionRefusedError("nobody listens")
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(AssertionError, match=r"the engine to listen \(last error: Conn"):
+        await poll_until(
+            refused, 0.05, interval=0.01, what="the engine to listen", ignoring=(OSError,)
+        )
+    assert loop.time() - started < 1
+
+
+async def test_within_bounds_a_wait_and_names_it() -> None:
+    """An event that never comes fails as an AssertionError naming it."""
+    with pytest.raises(AssertionError, match=r"the registry to empty: not done within 0\.05 s"):
+        await within(asyncio.Event().wait(), 0.05, "the registry to empty")
+    assert await within(asyncio.sleep(0, "done"), 1, "nothing") == "done"
+
+
+def test_canaries_are_distinctive() -> None:
+    """Each canary starts with its grep marker; filler bodies are made of the prompt."""
+    assert CANARY_PROMPT.startswith(LEAK_MARKERS[0])
+    assert CANARY_SECRET.startswith(LEAK_MARKERS[1])
+    assert canary_bytes(1000).startswith(CANARY_PROMPT.encode()) and len(canary_bytes(1000)) == 1000
+
+
+def test_leaks_are_found_in_tether_lines_only(tmp_path: Path) -> None:
+    """A canary in any tether line (in-process or a process's) is found with its test; the
+    test's own upstream and the test markers are not tether."""
+    log = CollectedLog(tmp_path / "tests.log")
+    log.mark_test("tests/test_a.py::test_one")
+    log.add_lines(IN_PROCESS, f'{{"event": "request_finished", "body": "{CANARY_PROMPT}"}}')
+    log.add_lines(UPSTREAM, f"ERROR engine body={CANARY_PROMPT}")
+    log.mark_test("tests/test_b.py::test_two")
+    log.add_lines(subprocess_source(42), f"Authorization: Bearer {CANARY_SECRET.upper()}")
+    log.add_lines(IN_PROCESS, '{"event": "request_finished"}')
+    log.close()
+
+    leaks = find_leaks((tmp_path / "tests.log").read_text().splitlines())
+
+    assert [(leak.test_id, leak.marker) for leak in leaks] == [
+        ("tests/test_a.py::test_one", LEAK_MARKERS[0]),
+        ("tests/test_b.py::test_two", LEAK_MARKERS[1]),
+    ]
+    assert main([str(tmp_path / "tests.log")]) == 1
+
+
+def test_leak_check_refuses_a_log_that_proves_nothing(tmp_path: Path) -> None:
+    """No log, or a log without lines from both kinds of tether, exits 2; a clean one 0."""
+    path = tmp_path / "tests.log"
+    assert main([str(path)]) == 2
+    log = CollectedLog(path)
+    log.add_lines(IN_PROCESS, '{"event": "request_finished"}')
+    log.close()
+    assert main([str(path)]) == 2  # nothing from a tether process
+    log = CollectedLog(path)
+    log.add_lines(IN_PROCESS, '{"event": "request_finished"}')
+    log.add_lines(subprocess_source(7), '{"event": "request_finished"}')
+    log.close()
+    assert main([str(path)]) == 0
+
+
+def test_log_stream_keeps_partial_lines_until_their_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a logger writes in pieces becomes whole prefixed lines, and still reaches stdout."""
+    log = CollectedLog(tmp_path / "tests.log")
+    stream = log.stream(IN_PROCESS)
+    stream.write('{"event": ')
+    stream.write('"one"}\n{"event": "two"}\n{"ev')
+    log.close()
+    assert (tmp_path / "tests.log").read_text() == (
+        'in-process | {"event": "one"}\nin-process | {"event": "two"}\n'
+    )
+    assert capsys.readouterr().out == '{"event": "one"}\n{"event": "two"}\n{"ev'
