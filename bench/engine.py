@@ -10,7 +10,9 @@ Routes:
   and `tag` (a client-chosen key under which disconnects and aborts are recorded).
   Every object carries `"id":"<prefix><X-Request-Id>"` as vLLM does, and every event a
   `bench_ts` send stamp (CLOCK_MONOTONIC ns, which is system-wide on Linux).
-- `GET /health`; `POST /abort_requests` (`{"request_ids": [...]}`, vLLM's abort API).
+- `GET /health`; `POST /abort_requests` (`{"request_ids": [...]}`, vLLM's abort API): a
+  stream it names ends as vLLM's does, with a `finish_reason: "abort"` event and `[DONE]`
+  (which is what tether waits for to count the abort as confirmed).
 - `GET /_bench/stats`, `POST /_bench/reset`: what was recorded, for the runner.
 """
 
@@ -34,6 +36,7 @@ SSE_HEAD = (
     b"transfer-encoding: chunked\r\n\r\n"
 )
 DONE_EVENT = chunk(b"data: [DONE]\n\n") + LAST_CHUNK
+ABORT_EVENT = b'","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":""},"finish_reason":"abort"}]}\n\n'  # noqa: E501
 CHUNK_BODY = (
     '","object":"chat.completion.chunk","created":1764460800,"model":"bench-model",'
     '"choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}],'
@@ -48,11 +51,15 @@ class Recorder:
     aborts: dict[str, int] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
     tag_by_request_id: dict[str, str] = field(default_factory=dict)
+    streams: dict[str, Stream] = field(default_factory=dict)  # by engine request ID
     unknown_aborts: int = 0
     duplicate_aborts: int = 0
     streams_started: int = 0
 
     def record_abort(self, engine_request_id: str, now_ns: int) -> None:
+        stream = self.streams.pop(engine_request_id, None)
+        if stream is not None:
+            stream.abort()
         request_id = engine_request_id.split("-", 1)[-1]
         tag = self.tag_by_request_id.get(request_id)
         if tag is None:
@@ -63,6 +70,7 @@ class Recorder:
             self.aborts[tag] = now_ns
 
     def reset(self) -> None:
+        self.streams.clear()
         self.aborts.clear()
         self.drops.clear()
         self.tag_by_request_id.clear()
@@ -118,9 +126,11 @@ class Stream:
         rate: float,
         hold: bool,
         tag: str | None,
+        engine_request_id: str,
     ) -> None:
         self._conn = conn
         self._prefix = event_prefix
+        self.engine_request_id = engine_request_id
         self._left = events
         self._interval = 1.0 / rate if rate > 0 else 0.0
         self._hold = hold
@@ -165,6 +175,16 @@ class Stream:
             self._timer.cancel()
             self._timer = None
 
+    def abort(self) -> None:
+        """Named by an abort call: end as vLLM does (the abort event, then `[DONE]`)."""
+        if self.finished:
+            return
+        self.cancel()
+        self.finished = True
+        engine_id = self.engine_request_id.encode()
+        self._conn.transport.write(chunk(b'data: {"id":"' + engine_id + ABORT_EVENT) + DONE_EVENT)
+        self._conn.stream_finished()
+
 
 class EngineConnection(asyncio.Protocol):
     """One client connection; requests on it are served one after another (keep-alive)."""
@@ -203,6 +223,8 @@ class EngineConnection(asyncio.Protocol):
             self._stream.resume()
 
     def stream_finished(self) -> None:
+        if self._stream is not None:
+            self._recorder.streams.pop(self._stream.engine_request_id, None)
         self._stream = None
         while self._stream is None and self._parse_one():
             pass
@@ -212,6 +234,7 @@ class EngineConnection(asyncio.Protocol):
         if stream is None:
             return
         stream.cancel()
+        self._recorder.streams.pop(stream.engine_request_id, None)
         if stream.tag is not None:
             self._recorder.drops.setdefault(stream.tag, time.monotonic_ns())
 
@@ -274,7 +297,9 @@ class EngineConnection(asyncio.Protocol):
             rate=float(query.get("rate", ["0"])[0]),
             hold=query.get("hold", ["0"])[0] == "1",
             tag=tag,
+            engine_request_id=prefix + request_id,
         )
+        self._recorder.streams[prefix + request_id] = self._stream
         self._stream.start()
 
 

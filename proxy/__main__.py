@@ -5,22 +5,22 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-
-import prometheus_client
-import uvloop
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
 from . import __version__
-from .logging import configure_logging
-from .runner import serve
-from .settings import Settings, describe_errors, describe_settings
+from .cli import abort_main
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 USAGE = f"""\
 usage: tether [--help] [--version]
+       tether abort <request-id> [--fleet] [--admin-url URL] [--json]
 
 tether {__version__}: a sidecar in front of an LLM inference server. It aborts requests upstream
 when their client disconnects and keeps request IDs unique upstream while clients keep
-seeing their own. Configured by environment variables only (a .env file is read too):
+seeing their own. Configured by environment variables only (a .env file is read too).
+`tether abort` asks a running replica (or, with --fleet, every replica) to abort a request.
 
 {{settings}}
 
@@ -30,6 +30,23 @@ Exit codes: 0 after a graceful shutdown (SIGTERM/SIGINT), 2 on a bad setting.
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["abort"]:
+        # Before anything heavy is imported: the operator's command starts in a tenth of
+        # the time the server needs.
+        return abort_main(args[1:])
+    return _serve_main(args)
+
+
+def _serve_main(args: list[str]) -> int:
+    import prometheus_client
+    import uvloop
+    from pydantic import ValidationError
+
+    from .logging import configure_logging
+    from .settings import Settings, describe_errors, describe_settings
+    from .tracing import TracingUnavailableError
+    from .tracing import check_available as check_tracing
+
     if args in (["--help"], ["-h"]):
         print(USAGE.format(settings=describe_settings()))
         return 0
@@ -50,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         for line in describe_errors(error):
             print(f"  {line}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)
+    try:
+        check_tracing(settings.tracing)
+    except TracingUnavailableError as error:
+        print(f"tether: invalid configuration:\n  {error}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level, settings.secret_values())
     # `*_created` series double the exposition for no use in Prometheus queries.
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     uvloop.run(_run(settings))
@@ -58,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _run(settings: Settings) -> None:
+    from .runner import serve
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -1,9 +1,17 @@
-"""Abort calls as tracked tasks: they outlive the cancelled handler that asked for them, are
-retried within a deadline, and are drained before the client session closes."""
+"""Stopping the engine's work for a request nobody will read, and proving that it stopped.
+
+Each stop is a tracked task that outlives the cancelled handler. Where the engine has a
+working abort route, tether calls it and keeps reading (not relaying) the engine's response
+until it ends or until TETHER_ABORT_CONFIRM_TIMEOUT after the client left: `confirmed` then
+rests on what the engine did, not on what tether sent. Everywhere else, and whenever the call
+fails, the upstream connection is dropped at once (the engine's other signal). What the engine
+produced after the client left is counted on the way.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from enum import StrEnum
 
 import aiohttp
@@ -11,8 +19,11 @@ import structlog
 
 from .engines import AbortCall, EngineProfile
 from .metrics import Metrics
+from .relay import ResponseRelay
 from .settings import Settings
+from .tracing import RequestSpan
 from .upstream import UpstreamClient
+from .upstream_protocol import UpstreamExchange
 
 log = structlog.get_logger("tether.aborts")
 
@@ -25,13 +36,35 @@ _FIRST_BACKOFF = 0.05
 
 
 class AbortResult(StrEnum):
-    OK = "ok"
+    CONFIRMED = "confirmed"  # the engine ended the response within the confirm timeout
+    UNCONFIRMED = "unconfirmed"  # the call was accepted, the response went on: dropped
+    NOT_SUPPORTED = "not_supported"  # the engine has no abort route: dropped
+    UNKNOWN_ROUTE = "unknown_route"  # tether cannot name the engine's ID here: dropped
+    FAILED = "failed"  # the call failed (deadline, errors, refused): dropped
+
+
+class _CallResult(StrEnum):
+    ACCEPTED = "accepted"
     NOT_SUPPORTED = "not_supported"
     FAILED = "failed"
 
 
+@dataclass(frozen=True, slots=True)
+class StopRequest:
+    """What the tracker needs to stop one request's work at the engine."""
+
+    internal_request_id: str
+    client_request_id: str
+    route_label: str
+    engine_request_ids: tuple[str, ...]
+    upstream: UpstreamExchange
+    relay: ResponseRelay
+    since: float  # loop time at which the client left (or tether decided to stop)
+    span: RequestSpan | None = None  # ended here once the engine's work has stopped
+
+
 class AbortTracker:
-    """Owns every abort in progress."""
+    """Owns every stop in progress."""
 
     def __init__(
         self,
@@ -46,24 +79,60 @@ class AbortTracker:
         self._attempt_timeout = settings.abort_timeout
         self._deadline = settings.abort_deadline
         self._repeat_delay = settings.abort_repeat_delay
+        self._confirm_timeout = settings.abort_confirm_timeout
         self._tasks: set[asyncio.Task[None]] = set()
         self._missing_until: dict[str, float] = {}
         self._warned_missing = False
 
-    def abort(
-        self, path: str, internal_request_id: str, client_request_id: str, since: float
-    ) -> None:
-        """Ask the engine to stop `internal_request_id`, in the background.
+    # --- entry points ----------------------------------------------------------------------
 
-        `since` is the loop time at which the client left, for the latency metric.
-        """
+    def stop(self, request: StopRequest) -> bool:
+        """Stop the engine's work for `request`: abort and confirm where the engine allows,
+        else drop the connection at once. Returns at once, True when the rest runs in the
+        background (which then ends the request's span)."""
+        request.relay.discard()
         if not self._engine.sends_aborts:
-            return
-        calls = self._engine.abort_calls(path, internal_request_id)
-        task = asyncio.get_running_loop().create_task(
-            self._abort(calls, internal_request_id, client_request_id, since),
-            name=f"abort-{internal_request_id}",
-        )
+            request.upstream.close()
+            return False
+        if not request.engine_request_ids:
+            request.upstream.close()
+            self._count(AbortResult.UNKNOWN_ROUTE, request.span)
+            log.debug(
+                "abort_not_possible",
+                reason=AbortResult.UNKNOWN_ROUTE.value,
+                route=request.route_label,
+                consequence="the dropped upstream connection is the only abort signal",
+            )
+            return False
+        calls = self._candidates(self._engine.abort_calls(request.engine_request_ids))
+        if not calls:
+            request.upstream.close()  # every abort route answered as missing, recently
+            self._count(AbortResult.NOT_SUPPORTED, request.span)
+            return False
+        self._track(self._abort_and_confirm(request, calls), request.internal_request_id)
+        return True
+
+    def let_finish(self, request: StopRequest) -> bool:
+        """A request that must outlive its client (`background: true`): read its response to
+        the end, bounded by the confirm timeout, without aborting it."""
+        request.relay.discard()
+        self._track(self._finish_quietly(request), request.internal_request_id)
+        return True
+
+    @property
+    def pending(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self) -> None:
+        """Wait for every stop in progress (each is bounded by the abort deadline)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- the background work -------------------------------------------------------------------
+
+    def _track(self, work: object, internal_request_id: str) -> None:
+        assert asyncio.iscoroutine(work)
+        task = asyncio.get_running_loop().create_task(work, name=f"stop-{internal_request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._finished)
 
@@ -73,42 +142,74 @@ class AbortTracker:
             # Expected failures are results; anything raised here is a bug in tether.
             log.error("abort_crashed", exc_info=error)
 
-    @property
-    def pending(self) -> int:
-        return len(self._tasks)
-
-    async def drain(self) -> None:
-        """Wait for every abort in progress (each is bounded by the abort deadline)."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _abort(
-        self,
-        calls: tuple[AbortCall, ...],
-        internal_request_id: str,
-        client_request_id: str,
-        since: float,
-    ) -> None:
+    async def _abort_and_confirm(self, request: StopRequest, calls: tuple[AbortCall, ...]) -> None:
         loop = asyncio.get_running_loop()
-        result, attempts, detail = await self._send_first_supported(calls)
-        latency = loop.time() - since
-        self._metrics.aborts.labels(self._engine.engine.value, result.value).inc()
-        fields = {
-            "internal_request_id": internal_request_id,
-            "client_request_id": client_request_id,
+        upstream = request.upstream
+        confirm_by = request.since + self._confirm_timeout
+        sending = loop.create_task(self._send_first_supported(calls))
+        try:
+            # The connection stays open only while the call can still confirm in time: past
+            # the confirm timeout the engine gets the dropped connection whatever the call does.
+            await asyncio.wait({sending}, timeout=max(confirm_by - loop.time(), 0))
+            if not sending.done():
+                upstream.close()
+            outcome, attempts, detail = await sending
+            answered = loop.time()
+            if outcome is _CallResult.ACCEPTED:
+                self._metrics.abort_latency.observe(answered - request.since)
+                await self._wait_for_end(upstream, calls, answered, confirm_by)
+            ended_at = upstream.ended_at if upstream.ended else None
+        finally:
+            sending.cancel()
+            upstream.close()  # never reused after a disconnect
+        result = self._result(outcome, ended_at is not None and ended_at <= confirm_by)
+        self._count(result, request.span)
+        tokens_after = _tokens_after_disconnect(request.relay)
+        if outcome is _CallResult.ACCEPTED:
+            self._metrics.record_tokens_after_disconnect(request.route_label, tokens_after)
+        latency_ms = round((answered - request.since) * 1000, 2)
+        fields: dict[str, object] = {
+            "internal_request_id": request.internal_request_id,
+            "client_request_id": request.client_request_id,
+            "engine_request_ids": list(request.engine_request_ids),
             "result": result.value,
             "attempts": attempts,
-            "latency_ms": round(latency * 1000, 2),
+            "latency_ms": latency_ms,
             "detail": detail,
         }
-        if result is AbortResult.OK:
-            self._metrics.abort_latency.observe(latency)
-            log.info("abort_sent", **fields)
-            if self._repeat_delay > 0:
-                # The abort may have reached the engine before the request it names was
-                # registered there (a request still in its queue); one repeat closes that gap.
-                await asyncio.sleep(self._repeat_delay)
-                await self._send_first_supported(calls)
+        span = request.span
+        if span is not None:
+            span.event(
+                "abort_sent",
+                engine_request_ids=",".join(request.engine_request_ids),
+                attempts=attempts,
+                latency_ms=latency_ms,
+            )
+            span.set(tokens_after_disconnect=tokens_after)
+        if result is AbortResult.CONFIRMED:
+            assert ended_at is not None
+            stop_seconds = ended_at - request.since
+            self._metrics.engine_stop.observe(stop_seconds)
+            if span is not None:
+                span.event(
+                    "abort_confirmed",
+                    engine_stop_ms=round(stop_seconds * 1000, 2),
+                    tokens_after_disconnect=tokens_after,
+                )
+                span.set(engine_stop_ms=round(stop_seconds * 1000, 2))
+            log.info(
+                "abort_sent",
+                **fields,
+                engine_stop_ms=round(stop_seconds * 1000, 2),
+                tokens_after_disconnect=tokens_after,
+            )
+        elif result is AbortResult.UNCONFIRMED:
+            log.warning(
+                "abort_sent",
+                **fields,
+                tokens_after_disconnect=tokens_after,
+                consequence="the engine's response did not end in time; connection dropped",
+            )
         elif result is AbortResult.NOT_SUPPORTED:
             if not self._warned_missing:
                 self._warned_missing = True
@@ -120,46 +221,121 @@ class AbortTracker:
             log.debug("abort_not_supported", **fields)
         else:
             log.warning("abort_failed", **fields)
+        if span is not None:
+            span.end()
+
+    async def _wait_for_end(
+        self,
+        upstream: UpstreamExchange,
+        calls: tuple[AbortCall, ...],
+        answered: float,
+        confirm_by: float,
+    ) -> None:
+        """Until the engine's response ends or the confirm timeout passes. An abort can
+        overtake the request it names (still being registered at the engine): if the response
+        goes on past the repeat delay, the call is sent once more."""
+        repeat_at = answered + self._repeat_delay if self._repeat_delay > 0 else confirm_by
+        if repeat_at >= confirm_by:
+            await _ended_by(upstream, confirm_by)
+            return
+        if await _ended_by(upstream, repeat_at):
+            return
+        repeat = asyncio.get_running_loop().create_task(self._send_first_supported(calls))
+        try:
+            await _ended_by(upstream, confirm_by)
+        finally:
+            repeat.cancel()
+
+    async def _finish_quietly(self, request: StopRequest) -> None:
+        try:
+            if not await _ended_by(request.upstream, request.since + self._confirm_timeout):
+                log.info(
+                    "background_request_left_running",
+                    internal_request_id=request.internal_request_id,
+                    reason="background: true; its response did not end in time",
+                )
+        finally:
+            request.upstream.close()
+            if request.span is not None:
+                request.span.end()
+
+    # --- the abort call ----------------------------------------------------------------------
+
+    def _candidates(self, calls: tuple[AbortCall, ...]) -> tuple[AbortCall, ...]:
+        now = asyncio.get_running_loop().time()
+        return tuple(call for call in calls if self._missing_until.get(call.url, 0) <= now)
 
     async def _send_first_supported(
         self, calls: tuple[AbortCall, ...]
-    ) -> tuple[AbortResult, int, str]:
+    ) -> tuple[_CallResult, int, str]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._deadline
         attempts = 0
         detail = "no abort route configured"
         backoff = _FIRST_BACKOFF
-        candidates = [call for call in calls if self._missing_until.get(call.url, 0) <= loop.time()]
-        if not candidates:
-            return AbortResult.NOT_SUPPORTED, 0, "every abort route answered as missing"
         index = 0
-        while index < len(candidates):
-            call = candidates[index]
+        while index < len(calls):
+            call = calls[index]
             remaining = deadline - loop.time()
             if remaining <= 0:
-                return AbortResult.FAILED, attempts, f"deadline passed; last: {detail}"
+                return _CallResult.FAILED, attempts, f"deadline passed; last: {detail}"
             attempts += 1
             try:
                 status = await self._upstream.send_abort(
                     call, min(self._attempt_timeout, remaining)
                 )
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                detail = f"{call.url}: {exc.__class__.__name__}: {exc}"
+                detail = f"{call.url}: {exc.__class__.__name__}"
             else:
                 if 200 <= status < 300:
                     self._missing_until.pop(call.url, None)
-                    return AbortResult.OK, attempts, f"{call.url}: {status}"
+                    return _CallResult.ACCEPTED, attempts, f"{call.url}: {status}"
                 detail = f"{call.url}: {status}"
                 if status in _ROUTE_MISSING:
                     self._missing_until[call.url] = loop.time() + _ROUTE_RECHECK_SECONDS
                     index += 1
                     continue
                 if status < 500 and status != 429:
-                    return AbortResult.FAILED, attempts, detail
+                    return _CallResult.FAILED, attempts, detail
             # Connection error, 5xx or 429: the same call again after a backoff.
             pause = min(backoff, deadline - loop.time())
             if pause <= 0:
-                return AbortResult.FAILED, attempts, f"deadline passed; last: {detail}"
+                return _CallResult.FAILED, attempts, f"deadline passed; last: {detail}"
             await asyncio.sleep(pause)
             backoff *= 2
-        return AbortResult.NOT_SUPPORTED, attempts, detail
+        return _CallResult.NOT_SUPPORTED, attempts, detail
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _result(outcome: _CallResult, ended_in_time: bool) -> AbortResult:
+        if outcome is _CallResult.NOT_SUPPORTED:
+            return AbortResult.NOT_SUPPORTED
+        if outcome is _CallResult.FAILED:
+            return AbortResult.FAILED
+        return AbortResult.CONFIRMED if ended_in_time else AbortResult.UNCONFIRMED
+
+    def _count(self, result: AbortResult, span: RequestSpan | None) -> None:
+        self._metrics.count_abort(self._engine.engine.value, result.value)
+        if span is not None:
+            span.set(abort_result=result.value)
+
+
+async def _ended_by(upstream: UpstreamExchange, deadline: float) -> bool:
+    """Whether the engine's response ended (cleanly or not) by `deadline` (loop time)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            await upstream.wait_ended()
+    except TimeoutError:
+        return False
+    return True
+
+
+def _tokens_after_disconnect(relay: ResponseRelay) -> int:
+    """Tokens the engine produced after the client left: the engine's own count less what the
+    client received where it reported one, else the token-carrying events read since."""
+    relayed = relay.tokens_relayed or 0
+    reported = relay.tokens.reported()
+    if reported is not None and reported >= relayed:
+        return reported - relayed
+    return max(relay.tokens.events - relayed, 0)

@@ -19,6 +19,7 @@ from .registry import Outcome
 log = structlog.get_logger("tether.admin")
 
 PROXY_APP = web.AppKey("tether_proxy_app", web.Application)
+_SCOPES = ("local", "fleet")
 
 
 def create_admin_app(proxy_app: web.Application) -> web.Application:
@@ -65,10 +66,11 @@ async def list_requests(request: web.Request) -> web.Response:
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    """Abort every in-flight request with this client ID (or this internal ID).
+    """Abort every in-flight request with this client ID (or this internal ID), here or, with
+    `"scope": "fleet"`, on every replica.
 
     Each is ended exactly as on a client disconnect: its client connection is closed, the
-    upstream connection dropped and the engine's abort API called.
+    engine's work stopped (abort call, or the dropped connection).
     """
     ctx = _context(request)
     refusal = _refuse_unauthorised(request, ctx)
@@ -77,14 +79,23 @@ async def abort_request(request: web.Request) -> web.Response:
     try:
         payload = await request.json()
         request_id = payload["request_id"]
-        if not isinstance(request_id, str) or not request_id:
+        scope = payload.get("scope", "local")
+        if not isinstance(request_id, str) or not request_id or scope not in _SCOPES:
             raise TypeError
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return _error(
             400,
             "invalid_request_error",
             "invalid_body",
-            'send a JSON object like {"request_id": "<client or internal ID>"}',
+            'send a JSON object like {"request_id": "<client or internal ID>", '
+            '"scope": "local" or "fleet"}',
+        )
+    if scope == "fleet" and not ctx.fleet.configured:
+        return _error(
+            400,
+            "invalid_request_error",
+            "fleet_not_configured",
+            "no other replicas are known; set TETHER_FLEET_DNS or TETHER_FLEET_PEERS",
         )
     aborted = []
     for state in ctx.registry.find(request_id):
@@ -93,8 +104,28 @@ async def abort_request(request: web.Request) -> web.Response:
         state.ended_by = Outcome.ADMIN_ABORTED
         state.task.cancel()
         aborted.append(state.internal_request_id)
-    log.info("admin_abort", request_id=request_id, aborted=aborted)
-    return web.json_response({"request_id": request_id, "aborted": aborted})
+    answer: dict[str, object] = {
+        "request_id": request_id,
+        "scope": scope,
+        "replica": ctx.fleet.replica,
+        "instance": ctx.fleet.instance_id,
+        "aborted": aborted,
+    }
+    if scope == "fleet":
+        peers = await ctx.fleet.abort(request_id)
+        answer["peers"] = [peer.as_json() for peer in peers]
+        answer["aborted_total"] = len(aborted) + sum(len(peer.aborted) for peer in peers)
+        log.info(
+            "admin_abort",
+            request_id=request_id,
+            scope=scope,
+            aborted=aborted,
+            aborted_total=answer["aborted_total"],
+            unreachable=[peer.peer for peer in peers if peer.status != "ok"],
+        )
+    else:
+        log.info("admin_abort", request_id=request_id, scope=scope, aborted=aborted)
+    return web.json_response(answer)
 
 
 def _refuse_unauthorised(request: web.Request, ctx: ProxyContext) -> web.Response | None:

@@ -5,53 +5,69 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, cast
 
 from aiohttp import web
 
 from .aborts import AbortTracker
 from .context import CONTEXT, ProxyContext
 from .engines import EngineProfile
-from .forward import defer_continue, proxy_request
+from .fleet import Fleet
+from .forward import proxy_request
 from .health import Readiness
 from .metrics import Metrics
 from .registry import Registry
+from .request_body import defer_continue
 from .settings import Settings
+from .tracing import Tracer
 from .upstream import UpstreamClient
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
 SETTINGS = web.AppKey("tether_settings", Settings)
+# Set by tests that read spans back (an in-memory exporter); production builds its provider
+# from the OTEL_* environment.
+TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
 
 
-def create_app(settings: Settings) -> web.Application:
+def create_app(settings: Settings, tracer_provider: object | None = None) -> web.Application:
     app = web.Application(handler_args={"max_field_size": 16384, "max_line_size": 16384})
     app[SETTINGS] = settings
+    if tracer_provider is not None:
+        app[TRACER_PROVIDER] = tracer_provider
     app.cleanup_ctx.append(_proxy_context)
     app.router.add_route("*", "/{path:.*}", proxy_request, expect_handler=defer_continue)
     return app
 
 
 async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
-    """Everything that outlives a request, torn down in reverse: aborts drained before the
-    client session they use is closed."""
+    """Everything that outlives a request, torn down in reverse: stops drained before the
+    client sessions they use are closed, and before the spans they end are flushed."""
     settings = app[SETTINGS]
     metrics = Metrics()
     engine = EngineProfile(settings)
-    async with UpstreamClient.open(settings) as upstream:
-        readiness = Readiness(upstream, settings.health_interval, metrics)
-        aborts = AbortTracker(settings, engine, upstream, metrics)
-        app[CONTEXT] = ProxyContext(
-            settings=settings,
-            engine=engine,
-            upstream=upstream,
-            aborts=aborts,
-            registry=Registry(),
-            metrics=metrics,
-            readiness=readiness,
-        )
-        monitor = asyncio.create_task(readiness.run(), name="readiness")
-        try:
-            yield
-        finally:
-            monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await monitor
-            await aborts.drain()
+    provider = cast("TracerProvider | None", app.get(TRACER_PROVIDER))
+    with Tracer.open(settings, provider) as tracer:
+        async with UpstreamClient.open(settings) as upstream, Fleet.open(settings) as fleet:
+            readiness = Readiness(upstream, settings.health_interval, metrics)
+            aborts = AbortTracker(settings, engine, upstream, metrics)
+            app[CONTEXT] = ProxyContext(
+                settings=settings,
+                engine=engine,
+                upstream=upstream,
+                aborts=aborts,
+                registry=Registry(),
+                metrics=metrics,
+                readiness=readiness,
+                fleet=fleet,
+                tracer=tracer,
+            )
+            monitor = asyncio.create_task(readiness.run(), name="readiness")
+            try:
+                yield
+            finally:
+                monitor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await monitor
+                await aborts.drain()

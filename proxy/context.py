@@ -8,10 +8,12 @@ from aiohttp import web
 
 from .aborts import AbortTracker
 from .engines import EngineProfile
+from .fleet import Fleet
 from .health import Readiness
 from .metrics import Metrics
 from .registry import Registry
 from .settings import Settings
+from .tracing import Tracer
 from .upstream import UpstreamClient
 
 
@@ -24,6 +26,8 @@ class ProxyContext:
     registry: Registry
     metrics: Metrics
     readiness: Readiness
+    fleet: Fleet
+    tracer: Tracer | None  # None: tracing is off (or not installed) and costs nothing
 
 
 CONTEXT = web.AppKey("tether_context", ProxyContext)

@@ -1,22 +1,126 @@
-"""What differs per engine: where tether's request ID goes and how a request is aborted.
+"""Everything tether knows about each engine, in one place: its routes, where tether's ID goes
+on each, which engine request ID results, how that ID is aborted, and how its responses carry
+tokens.
 
-Pure: builds descriptions of calls, the upstream client sends them.
+Pure: builds descriptions of calls; the upstream client sends them. Each route entry states
+what was verified against the real engine (vLLM 0.32, SGLang 0.5.23); a route whose engine ID
+tether cannot name is not guessed at: it is stopped by the dropped connection alone and its
+aborts are counted `unknown_route`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .settings import Engine, Settings
+from .tokens import TokenShape
 
-# vLLM keys a chat request as `chatcmpl-<X-Request-Id>` and a completion as `cmpl-<…>`; an
-# abort naming the bare ID matches nothing (observed on 0.32).
-_VLLM_ID_PREFIXES = {"/v1/chat/completions": ("chatcmpl-",), "/v1/completions": ("cmpl-",)}
-_VLLM_ANY_PREFIX = ("chatcmpl-", "cmpl-")
 # Dev-mode/tokens-only route first, then the scale-out one; a default server has neither.
 _VLLM_ABORT_PATHS = ("/abort_requests", "/inference/v1/abort_requests")
 _SGLANG_ABORT_PATH = "/abort_request"
+# Methods that never start generation: a client leaving one costs the engine nothing.
+_READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+@dataclass(frozen=True, slots=True)
+class BodyField:
+    """A top-level JSON field tether sets to carry its ID (`{id}` is tether's ID)."""
+
+    name: str
+    value: str = "{id}"
+    # False: set only when the client sent the field (it must not survive), else leave the
+    # body alone because the engine reads the ID from the header.
+    always: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One engine route that can start work, and how tether handles its IDs and aborts."""
+
+    path: str
+    # The engine's request ID for tether's ID (`{id}`), as its abort API must name it; None
+    # when tether cannot name it (the connection drop is then the only abort).
+    engine_id: str | None
+    tokens: TokenShape
+    body_fields: tuple[BodyField, ...] = ()
+    # A JSON body field whose items the engine runs as separate requests, `{index}` in
+    # `engine_id` numbering them (vLLM: one request per completion prompt).
+    fan_out: str | None = None
+    # False when the engine ID is the client's handle for follow-up calls (Responses API:
+    # `GET /v1/responses/{id}`, `previous_response_id`): it is then returned as the engine
+    # made it, and tether makes it unique, instead of mapping it back to the client's ID.
+    maps_id_back: bool = True
+    # Requests whose JSON body has `"background": true` outlive their connection on purpose.
+    may_run_in_background: bool = False
+
+    def engine_request_ids(self, internal_request_id: str, items: int = 1) -> tuple[str, ...]:
+        """What the engine's abort API must name to stop this request; () when unknown."""
+        if self.engine_id is None:
+            return ()
+        if self.fan_out is None:
+            return (self.engine_id.format(id=internal_request_id),)
+        return tuple(
+            self.engine_id.format(id=internal_request_id, index=index) for index in range(items)
+        )
+
+
+# vLLM keys a request by `X-Request-Id` (the header beats a body `request_id`) with a
+# per-route prefix, and its abort API matches external IDs exactly (verified on 0.32: the bare
+# ID, the engine's internal `-<8 hex>` form and other suffixes match nothing). A client's own
+# body `request_id` is overwritten so that it cannot collide.
+_VLLM_REQUEST_ID = BodyField("request_id", always=False)
+_VLLM_ROUTES = (
+    # `chatcmpl-<id>`; n>1 children are reached through it too (verified).
+    Route("/v1/chat/completions", "chatcmpl-{id}", TokenShape.CHAT, (_VLLM_REQUEST_ID,)),
+    # One engine request per prompt, `cmpl-<id>-<prompt index>`, even for a single prompt.
+    Route(
+        "/v1/completions",
+        "cmpl-{id}-{index}",
+        TokenShape.COMPLETION,
+        (_VLLM_REQUEST_ID,),
+        fan_out="prompt",
+    ),
+    # Anthropic messages run through the chat path: `chatcmpl-<X-Request-Id>`.
+    Route("/v1/messages", "chatcmpl-{id}", TokenShape.MESSAGES),
+    # The Responses API ignores `X-Request-Id`: the engine ID is the body's `request_id` plus
+    # `_<turn>` (`_0` until a built-in tool adds turns). That ID is the client's handle for
+    # follow-up calls, so tether makes it unique and leaves it as it is.
+    Route(
+        "/v1/responses",
+        "resp_{id}_0",
+        TokenShape.RESPONSES,
+        (BodyField("request_id", "resp_{id}"),),
+        maps_id_back=False,
+        may_run_in_background=True,
+    ),
+    # Pooling, scoring and audio routes: one engine request per input, audio chunk or
+    # document, not verified against the tiny test model (it serves none of them), so tether
+    # does not name them.
+    Route("/v1/embeddings", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/pooling", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/classify", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/score", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/v1/score", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/rerank", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/v1/rerank", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/v2/rerank", None, TokenShape.NONE, (_VLLM_REQUEST_ID,)),
+    Route("/v1/audio/transcriptions", None, TokenShape.COMPLETION),
+    Route("/v1/audio/translations", None, TokenShape.COMPLETION),
+)
+
+# SGLang takes its rid from the body and uses it verbatim: as the engine ID, as the response
+# `id` and as the name `/abort_request` matches (by prefix: tether's IDs are fixed-length, so
+# no rid of tether's is a prefix of another). Started with
+# SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 it takes `X-Override-Rid` first: tether always sets
+# that header to its rid too, so a client's own cannot win, and can skip the body rewrite.
+_SGLANG_RID = BodyField("rid")
+_SGLANG_RID_HEADER = "X-Override-Rid"
+_SGLANG_ROUTES = (
+    Route("/v1/chat/completions", "{id}", TokenShape.CHAT, (_SGLANG_RID,)),
+    Route("/v1/completions", "{id}", TokenShape.COMPLETION, (_SGLANG_RID,)),
+    Route("/generate", "{id}", TokenShape.SGLANG_GENERATE, (_SGLANG_RID,)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,62 +141,85 @@ class EngineProfile:
         self._abort_url = settings.abort_url
         self._abort_method = settings.abort_method
         self._abort_body = settings.abort_body
+        routes: tuple[Route, ...] = ()
+        self.id_headers: tuple[str, ...] = ("X-Request-Id",)
+        # Both engines read their ID from the body on routes tether knows nothing else about
+        # (a vLLM `request_id`, an SGLang `rid`): a client's own must not reach the engine
+        # there either, where it could collide with another request's.
+        self._unknown_route_fields: tuple[BodyField, ...] = ()
+        if self.engine is Engine.VLLM:
+            routes = _VLLM_ROUTES
+            self._unknown_route_fields = (_VLLM_REQUEST_ID,)
+        elif self.engine is Engine.SGLANG:
+            routes = _SGLANG_ROUTES
+            self.id_headers = ("X-Request-Id", _SGLANG_RID_HEADER)
+            self._unknown_route_fields = (_SGLANG_RID,)
+            if settings.sglang_rid_header:
+                routes = tuple(replace(route, body_fields=()) for route in routes)
+                self._unknown_route_fields = ()
+        self._routes = {route.path: route for route in routes}
 
     @property
     def sends_aborts(self) -> bool:
         return self.engine is not Engine.NONE
 
-    def body_fields(self, body_has_request_id: bool, internal_request_id: str) -> dict[str, str]:
-        """Top-level JSON fields to set in a request body (the header alone is not enough).
+    def route(self, method: str, path: str) -> Route | None:
+        """The route table entry for a request; None for read-only requests (nothing to
+        abort) on routes outside the table."""
+        known = self._routes.get(path.rstrip("/") or "/")
+        if known is not None:
+            return known
+        if self.engine is Engine.GENERIC:
+            # The operator's abort template names tether's ID; whether it worked shows in
+            # whether the response then ends.
+            return Route(path, "{id}", TokenShape.NONE)
+        if method in _READ_ONLY_METHODS:
+            return None
+        # Anything else may start work tether cannot name: connection drop only.
+        return Route(path, None, TokenShape.NONE, self._unknown_route_fields)
 
-        SGLang takes its rid only from the body. vLLM prefers the header, but a client's own
-        `request_id` in the body must not survive either.
+    def abort_calls(self, engine_request_ids: tuple[str, ...]) -> tuple[AbortCall, ...]:
+        """Candidate calls, in order: the first the engine supports is the one to use.
+
+        Never called with no ID: vLLM's dev route reads an empty list as "abort everything".
         """
-        if self.engine is Engine.SGLANG:
-            return {"rid": internal_request_id}
-        if self.engine is Engine.VLLM and body_has_request_id:
-            return {"request_id": internal_request_id}
-        return {}
-
-    @property
-    def rewrites_json_bodies(self) -> bool:
-        return self.engine in (Engine.SGLANG, Engine.VLLM)
-
-    def abort_calls(self, path: str, internal_request_id: str) -> tuple[AbortCall, ...]:
-        """Candidate calls, in order: the first the engine supports is the one to use."""
-        if self.engine is Engine.NONE:
-            return ()
+        assert engine_request_ids
+        engine_request_id = engine_request_ids[0]  # SGLang and templates name one request
         if self.engine is Engine.VLLM:
-            prefixes = _VLLM_ID_PREFIXES.get(path.rstrip("/"), _VLLM_ANY_PREFIX)
-            body = json.dumps(
-                {"request_ids": [prefix + internal_request_id for prefix in prefixes]}
-            ).encode()
+            body = json.dumps({"request_ids": list(engine_request_ids)}).encode()
             return tuple(
                 AbortCall("POST", self._resolve(path), body)
                 for path in self._paths(_VLLM_ABORT_PATHS)
             )
         if self.engine is Engine.SGLANG:
-            body = json.dumps({"rid": internal_request_id}).encode()
+            body = json.dumps({"rid": engine_request_id}).encode()
             return tuple(
                 AbortCall("POST", self._resolve(path), body)
                 for path in self._paths((_SGLANG_ABORT_PATH,))
             )
-        assert self._abort_url is not None  # settings require it for generic
-        body_text = (
-            self._abort_body.format(internal_request_id=internal_request_id)
-            if self._abort_body is not None
-            else None
-        )
-        return (
-            AbortCall(
-                self._abort_method,
-                self._resolve(self._abort_url),
-                body_text.encode() if body_text is not None else None,
-            ),
-        )
+        if self.engine is Engine.GENERIC:
+            assert self._abort_url is not None  # settings require it for generic
+            body_text = (
+                self._abort_body.format(internal_request_id=engine_request_id)
+                if self._abort_body is not None
+                else None
+            )
+            return (
+                AbortCall(
+                    self._abort_method,
+                    self._resolve(self._abort_url),
+                    body_text.encode() if body_text is not None else None,
+                ),
+            )
+        return ()
 
     def _paths(self, built_in: tuple[str, ...]) -> tuple[str, ...]:
         return (self._abort_url,) if self._abort_url is not None else built_in
 
     def _resolve(self, url_or_path: str) -> str:
         return self._upstream_url + url_or_path if url_or_path.startswith("/") else url_or_path
+
+
+def route_table(engine: Engine) -> tuple[Route, ...]:
+    """The built-in routes of an engine (for documentation and tests)."""
+    return {Engine.VLLM: _VLLM_ROUTES, Engine.SGLANG: _SGLANG_ROUTES}.get(engine, ())

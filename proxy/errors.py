@@ -42,6 +42,13 @@ class InvalidRequestIdError(ClientRequestError, ValueError):
     code = "invalid_request_id"
 
 
+class DuplicateRequestIdError(ClientRequestError):
+    """Preserve mode: the client's ID is already in flight, and the engine keys by it."""
+
+    status = 409
+    code = "duplicate_request_id"
+
+
 class InvalidRequestBodyError(ClientRequestError, ValueError):
     code = "invalid_request_body"
 
@@ -83,6 +90,9 @@ class AdminAbortedError(StoppedByTetherError):
 class ShuttingDownError(StoppedByTetherError):
     code = "shutting_down"
 
+    def __init__(self, message: str = "tether is shutting down; retry the request elsewhere"):
+        super().__init__(message)
+
 
 # --- caused by the upstream or by a limit ---------------------------------------------------
 
@@ -114,3 +124,25 @@ class UpstreamBrokenError(UpstreamError, ConnectionError):
     """The upstream failed after its response started: the client's stream is cut."""
 
     code = "upstream_broken"
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The engine's reply is not valid HTTP/1.1: a malformed status line or header, a head
+    over the limit or cut off, broken chunked framing."""
+
+    code = "upstream_protocol_error"
+
+
+# --- tether's own bugs -------------------------------------------------------------------------
+
+
+class InternalError(TetherError):
+    """Anything tether did not expect: a bug. The client gets a 500, the log one error line
+    with the traceback (never its local variables)."""
+
+
+# --- not an error of the request, a fact about the client --------------------------------------
+
+
+class ClientGoneError(ConnectionError):
+    """A write to the client failed: it has left."""

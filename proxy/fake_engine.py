@@ -1,11 +1,16 @@
-"""A fake OpenAI-compatible engine that behaves like vLLM, bad habits included.
+"""A fake OpenAI-compatible engine that behaves like vLLM (or SGLang), bad habits included.
 
-For the demo (`tether-fake-engine`), the container smoke test and the test suite. Like a real
-engine it keys each request by the ID it is given (`X-Request-Id`, or SGLang's body `rid`) and
-echoes it as `"id": "chatcmpl-<id>"`. Like the engines tether exists for, it **keeps
+For the demo (`tether-fake-engine`), the container smoke test and the test suite. Like the
+real engines it keys each request by the ID its route takes (verified on vLLM 0.32 and SGLang
+0.5.23): `chatcmpl-<X-Request-Id>` for chat and Anthropic messages, `cmpl-<X-Request-Id>-<i>`
+per completion prompt, the body's `request_id` plus `_0` for the Responses API (which
+ignores the header), the body's `rid` verbatim for SGLang; it answers in their wire format
+(compact JSON, the role event first, `finish_reason` on the last token, `"abort"` on an extra
+event after an abort, usage where asked for). Like the engines tether exists for, it **keeps
 generating after its client disconnects** unless an abort call names the request (or it is
-started with `--hears-disconnects`). It records every request, generation and abort call so
-tests can assert on what the engine saw.
+started with `--hears-disconnects`), and an aborted stream then ends as vLLM's does. It
+records every request, token, abort call and disconnect so tests can assert on what the
+engine saw and when.
 
 Per-request knobs ride in the JSON body, which real engines would ignore:
 `"fake": {"token_interval": s, "prefill": s, "fail_after": n, "stall_after": n}`.
@@ -42,12 +47,33 @@ class GenerationState(StrEnum):
     ABORTED = "aborted"
 
 
+class Api(StrEnum):
+    """The response format of a route."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+    MESSAGES = "messages"
+    RESPONSES = "responses"
+    GENERATE = "generate"  # SGLang's native /generate
+
+
+_ROUTES = {
+    "/v1/chat/completions": Api.CHAT,
+    "/v1/completions": Api.COMPLETION,
+    "/v1/messages": Api.MESSAGES,
+    "/v1/responses": Api.RESPONSES,
+    "/generate": Api.GENERATE,
+}
+
+
 @dataclass
 class Generation:
     """One request being generated, independent of the HTTP exchange that asked for it."""
 
-    request_id: str
-    engine_id: str  # what aborts must name: chatcmpl-<id> / cmpl-<id> / the rid
+    request_id: str  # the ID the request was keyed by (header, body request_id or rid)
+    engine_ids: tuple[str, ...]  # what aborts must name (all of them, for a multi-prompt one)
+    response_id: str  # the `id` its response carries
+    api: Api
     max_tokens: int
     token_interval: float
     prefill: float
@@ -55,10 +81,21 @@ class Generation:
     started_at: float = field(default_factory=time.monotonic)
     ended_at: float | None = None
     state: GenerationState = GenerationState.RUNNING
-    tokens: asyncio.Queue[str | None] = field(default_factory=asyncio.Queue)
+    # Each token as it is generated, with whether it is the last one; None once it ended.
+    tokens: asyncio.Queue[tuple[str, bool] | None] = field(default_factory=asyncio.Queue)
     produced: int = 0
+    token_times: list[float] = field(default_factory=list)  # time.monotonic() of each token
+    aborted_ids: set[str] = field(default_factory=set)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine_ids[0]
+
+    def produced_after(self, moment: float) -> int:
+        """Tokens generated after `moment` (a time.monotonic() reading)."""
+        return sum(1 for at in self.token_times if at > moment)
 
     def end(self, state: GenerationState) -> None:
         if self.state is GenerationState.RUNNING:
@@ -85,6 +122,10 @@ class SeenAbort:
     at: float
 
 
+def _compact(document: object) -> bytes:
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
 class FakeEngine:
     def __init__(
         self,
@@ -101,6 +142,9 @@ class FakeEngine:
         self.healthy = True
         self.abort_failures = 0  # answer this many abort calls with 503 first
         self.abort_hangs = False
+        # Accept this many abort calls (200) and act on none: an abort naming a wrong ID, or
+        # one that overtook its request at the engine.
+        self.ignore_aborts = 0
         self.print_aborts = False  # the CLI prints each abort call it honours
         self.requests: list[SeenRequest] = []
         self.generations: dict[str, Generation] = {}
@@ -133,9 +177,8 @@ class FakeEngine:
 
     def _make_app(self) -> web.Application:
         app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._completions)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/generate", self._completions)
+        for path in _ROUTES:
+            app.router.add_post(path, self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/abort_requests", self._abort_vllm)
@@ -189,38 +232,73 @@ class FakeEngine:
         )
         payload: dict[str, Any] = json.loads(body) if body else {}
         knobs = payload.get("fake", {})
+        generation = self._new_generation(request, payload, knobs)
+        running = self.generations.get(generation.request_id)
+        if (
+            self.abort_route is AbortRoute.SGLANG
+            and running is not None
+            and running.state is GenerationState.RUNNING
+        ):
+            await self._notify()  # SGLang refuses a rid that is already in flight
+            return web.json_response(
+                {"object": "error", "message": "Duplicate request ID detected", "code": 400},
+                status=400,
+            )
+        self.generations[generation.request_id] = generation
+        generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
+        await self._notify()
+        try:
+            if payload.get("stream"):
+                return await self._stream(request, generation, payload, knobs)
+            return await self._whole(generation)
+        except (asyncio.CancelledError, ConnectionError):
+            self.disconnects.append((generation.request_id, time.monotonic()))
+            if self.hears_disconnects:
+                generation.end(GenerationState.ABORTED)
+            await self._notify()
+            raise
+
+    def _new_generation(
+        self, request: web.Request, payload: dict[str, Any], knobs: dict[str, Any]
+    ) -> Generation:
+        api = _ROUTES[request.path]
         if self.abort_route is AbortRoute.SGLANG:
-            request_id = payload.get("rid") or os.urandom(8).hex()
-            engine_id = request_id
+            request_id = str(payload.get("rid") or os.urandom(16).hex())
+            engine_ids: tuple[str, ...] = (request_id,)
+            response_id = request_id
+        elif api is Api.RESPONSES:
+            # The Responses API ignores X-Request-Id; each turn runs as `<request_id>_<turn>`.
+            request_id = str(payload.get("request_id") or "resp_" + os.urandom(8).hex())
+            engine_ids = (f"{request_id}_0",)
+            response_id = request_id
         else:
             request_id = (
                 request.headers.get("X-Request-Id")
                 or payload.get("request_id")
                 or os.urandom(8).hex()
             )
-            prefix = "chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-"
-            engine_id = prefix + request_id
-        generation = Generation(
+            if api is Api.COMPLETION:
+                prompt = payload.get("prompt", "")
+                count = len(prompt) if isinstance(prompt, list) and prompt else 1
+                if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                    count = 1
+                engine_ids = tuple(f"cmpl-{request_id}-{index}" for index in range(count))
+                response_id = f"cmpl-{request_id}"
+            else:
+                engine_ids = (f"chatcmpl-{request_id}",)
+                response_id = engine_ids[0]
+        return Generation(
             request_id=request_id,
-            engine_id=engine_id,
-            max_tokens=int(payload.get("max_tokens", self.max_tokens)),
+            engine_ids=engine_ids,
+            response_id=response_id,
+            api=api,
+            max_tokens=int(
+                payload.get("max_tokens", payload.get("max_output_tokens", self.max_tokens))
+            ),
             token_interval=float(knobs.get("token_interval", self.token_interval)),
             prefill=float(knobs.get("prefill", 0.0)),
             stall_after=knobs.get("stall_after"),
         )
-        self.generations[request_id] = generation
-        generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
-        await self._notify()
-        try:
-            if payload.get("stream"):
-                return await self._stream(request, generation, knobs)
-            return await self._whole(generation)
-        except (asyncio.CancelledError, ConnectionError):
-            self.disconnects.append((request_id, time.monotonic()))
-            if self.hears_disconnects:
-                generation.end(GenerationState.ABORTED)
-            await self._notify()
-            raise
 
     async def _generate(self, generation: Generation) -> None:
         """Produce tokens until done or aborted; the HTTP side only reads them."""
@@ -231,72 +309,182 @@ class FakeEngine:
                     return
                 if generation.stall_after is not None and index >= generation.stall_after:
                     await asyncio.Event().wait()  # stuck engine: never another token
-                generation.tokens.put_nowait(f" tok{index}")
+                generation.tokens.put_nowait((f" tok{index}", index == generation.max_tokens - 1))
                 generation.produced += 1
+                generation.token_times.append(time.monotonic())
                 await self._notify()
                 await asyncio.sleep(generation.token_interval)
             generation.end(GenerationState.COMPLETED)
         finally:
             await self._notify()
 
+    # --- streaming ----------------------------------------------------------------------
+
     async def _stream(
-        self, request: web.Request, generation: Generation, knobs: dict[str, Any]
+        self,
+        request: web.Request,
+        generation: Generation,
+        payload: dict[str, Any],
+        knobs: dict[str, Any],
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         fail_after = knobs.get("fail_after")
+        include_usage = bool((payload.get("stream_options") or {}).get("include_usage"))
         sent = 0
-        async for chunk in self._chunks(generation):
+        async for event in self._events(generation, include_usage):
             if fail_after is not None and sent >= fail_after:
                 assert request.transport is not None
                 request.transport.abort()  # crash mid-stream
                 return response
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await response.write(event)
             sent += 1
-        await response.write(b"data: [DONE]\n\n")
+        if generation.api in (Api.CHAT, Api.COMPLETION, Api.GENERATE):
+            await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def _chunks(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
-        yield self._chunk(generation, {"role": "assistant", "content": ""}, None)
-        while (token := await generation.tokens.get()) is not None:
-            yield self._chunk(generation, {"content": token}, None)
-        reason = "abort" if generation.state is GenerationState.ABORTED else "length"
-        yield self._chunk(generation, {"content": ""}, reason)
+    async def _events(self, generation: Generation, include_usage: bool) -> AsyncIterator[bytes]:
+        """The stream's events: each token as soon as it is generated, finish_reason on the
+        last one (`length`), or one more event naming the abort."""
+        api = generation.api
+        for event in self._opening(generation):
+            yield event
+        while (item := await generation.tokens.get()) is not None:
+            token, last = item
+            yield self._token_event(generation, token, "length" if last else None)
+        if generation.state is GenerationState.ABORTED:
+            if api in (Api.CHAT, Api.COMPLETION, Api.GENERATE):
+                yield self._token_event(generation, "", "abort")
+        for event in self._closing(generation, include_usage):
+            yield event
+
+    def _opening(self, generation: Generation) -> list[bytes]:
+        if generation.api is Api.CHAT:
+            return [self._sse(self._chat_chunk(generation, {"role": "assistant", "content": ""}))]
+        if generation.api is Api.MESSAGES:
+            message = {"id": generation.response_id, "type": "message", "role": "assistant"}
+            return [self._sse({"type": "message_start", "message": message}, "message_start")]
+        if generation.api is Api.RESPONSES:
+            created = {"id": generation.response_id, "status": "in_progress", "usage": None}
+            return [
+                self._sse({"response": created, "type": "response.created"}, "response.created")
+            ]
+        return []
+
+    def _token_event(self, generation: Generation, token: str, reason: str | None) -> bytes:
+        api = generation.api
+        if api is Api.CHAT:
+            return self._sse(self._chat_chunk(generation, {"content": token}, reason))
+        if api is Api.COMPLETION:
+            choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": reason}
+            return self._sse(self._chunk(generation, "text_completion", [choice]))
+        if api is Api.GENERATE:
+            meta: dict[str, Any] = {"id": generation.response_id, "finish_reason": reason}
+            meta["completion_tokens"] = generation.produced
+            return self._sse({"text": token, "meta_info": meta})
+        if api is Api.MESSAGES:
+            delta = {"type": "text_delta", "text": token}
+            event = {"type": "content_block_delta", "delta": delta, "index": 0}
+            return self._sse(event, "content_block_delta")
+        delta_event = {"delta": token, "type": "response.output_text.delta"}
+        return self._sse(delta_event, "response.output_text.delta")
+
+    def _closing(self, generation: Generation, include_usage: bool) -> list[bytes]:
+        api = generation.api
+        usage = {"prompt_tokens": 3, "total_tokens": 3 + generation.produced}
+        usage["completion_tokens"] = generation.produced
+        if api in (Api.CHAT, Api.COMPLETION):
+            if not include_usage:
+                return []
+            kind = "chat.completion.chunk" if api is Api.CHAT else "text_completion"
+            return [self._sse({**self._chunk(generation, kind, []), "usage": usage})]
+        if api is Api.MESSAGES:
+            output = {"input_tokens": 3, "output_tokens": generation.produced}
+            aborted = generation.state is GenerationState.ABORTED
+            delta = {"stop_reason": None if aborted else "max_tokens"}
+            return [
+                self._sse(
+                    {"type": "message_delta", "delta": delta, "usage": output}, "message_delta"
+                ),
+                self._sse({"type": "message_stop"}, "message_stop"),
+            ]
+        if api is Api.RESPONSES:
+            done = {
+                "id": generation.response_id,
+                "status": "completed",
+                "usage": {"input_tokens": 3, "output_tokens": generation.produced},
+            }
+            return [
+                self._sse({"response": done, "type": "response.completed"}, "response.completed")
+            ]
+        return []
+
+    def _chat_chunk(
+        self, generation: Generation, delta: dict[str, str], reason: str | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return self._chunk(generation, "chat.completion.chunk", [choice])
 
     @staticmethod
-    def _chunk(generation: Generation, delta: dict[str, str], reason: str | None) -> dict[str, Any]:
+    def _chunk(generation: Generation, kind: str, choices: list[Any]) -> dict[str, Any]:
         return {
-            "id": generation.engine_id,
-            "object": "chat.completion.chunk",
+            "id": generation.response_id,
+            "object": kind,
             "created": int(time.time()),
             "model": "fake",
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+            "choices": choices,
         }
+
+    @staticmethod
+    def _sse(document: object, event: str | None = None) -> bytes:
+        head = f"event: {event}\n".encode() if event is not None else b""
+        return head + b"data: " + _compact(document) + b"\n\n"
+
+    # --- non-streaming ----------------------------------------------------------------------
 
     async def _whole(self, generation: Generation) -> web.Response:
         await generation.ended.wait()
         text = []
         while not generation.tokens.empty():
-            token = generation.tokens.get_nowait()
-            if token is not None:
-                text.append(token)
-        reason = "abort" if generation.state is GenerationState.ABORTED else "length"
-        return web.json_response(
-            {
-                "id": generation.engine_id,
-                "object": "chat.completion",
-                "model": "fake",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": "".join(text)},
-                        "finish_reason": reason,
-                    }
-                ],
-                "usage": {"completion_tokens": generation.produced},
+            item = generation.tokens.get_nowait()
+            if item is not None:
+                text.append(item[0])
+        content = "".join(text)
+        aborted = generation.state is GenerationState.ABORTED
+        reason = "abort" if aborted else "length"
+        usage = {"prompt_tokens": 3, "total_tokens": 3 + generation.produced}
+        usage["completion_tokens"] = generation.produced
+        document: dict[str, Any]
+        if generation.api is Api.MESSAGES:
+            document = {
+                "id": generation.response_id,
+                "type": "message",
+                "content": [{"type": "text", "text": content}],
+                "usage": {"input_tokens": 3, "output_tokens": generation.produced},
             }
-        )
+        elif generation.api is Api.RESPONSES:
+            document = {
+                "id": generation.response_id,
+                "status": "completed",
+                "output": [{"type": "message", "content": [{"text": content}]}],
+                "usage": {"input_tokens": 3, "output_tokens": generation.produced},
+            }
+        elif generation.api is Api.GENERATE:
+            finished: dict[str, Any] = {"id": generation.response_id}
+            finished["finish_reason"] = {"type": reason}
+            finished["completion_tokens"] = generation.produced
+            document = {"text": content, "meta_info": finished}
+        elif generation.api is Api.COMPLETION:
+            choice = {"index": 0, "text": content, "finish_reason": reason}
+            document = {**self._chunk(generation, "text_completion", [choice]), "usage": usage}
+        else:
+            message = {"role": "assistant", "content": content}
+            choice = {"index": 0, "message": message, "finish_reason": reason}
+            document = {**self._chunk(generation, "chat.completion", [choice]), "usage": usage}
+        return web.Response(body=_compact(document), content_type="application/json")
+
+    # --- abort routes -------------------------------------------------------------------
 
     async def _abort_vllm(self, request: web.Request) -> web.Response:
         route_on = {
@@ -313,8 +501,12 @@ class FakeEngine:
         failure = await self._injected_failure(request.path, ids)
         if failure is not None:
             return failure
-        # Like vLLM's dev route: an empty list aborts every running request.
-        targets = [g for g in self.generations.values() if not ids or g.engine_id in ids]
+        # Like vLLM's dev route: exact matches of external IDs; an empty list aborts every
+        # running request.
+        targets = [g for g in self.generations.values() if not ids or set(g.engine_ids) & set(ids)]
+        for generation in targets:
+            generation.aborted_ids.update(ids if ids else generation.engine_ids)
+        targets = [g for g in targets if generation_fully_aborted(g)]
         return await self._abort(
             request.path, ids, targets, {"status": "aborted", "aborted": len(ids)}
         )
@@ -327,8 +519,9 @@ class FakeEngine:
         failure = await self._injected_failure(request.path, (rid,))
         if failure is not None:
             return failure
-        # SGLang matches by prefix, so unique fixed-length rids matter.
-        targets = [g for g in self.generations.values() if g.engine_id.startswith(rid)]
+        # SGLang matches by prefix, so unique fixed-length rids matter; an empty rid is
+        # ignored.
+        targets = [g for g in self.generations.values() if rid and g.engine_id.startswith(rid)]
         return await self._abort(request.path, (rid,), targets, None)
 
     async def _injected_failure(self, path: str, ids: tuple[str, ...]) -> web.Response | None:
@@ -359,10 +552,19 @@ class FakeEngine:
                 ),
                 flush=True,
             )
-        for generation in targets:
-            generation.end(GenerationState.ABORTED)
+        if self.ignore_aborts > 0:
+            self.ignore_aborts -= 1
+        else:
+            for generation in targets:
+                generation.end(GenerationState.ABORTED)
         await self._notify()
         return web.json_response(reply) if reply is not None else web.Response(status=200)
+
+
+def generation_fully_aborted(generation: Generation) -> bool:
+    """Every engine request of a generation was named (a multi-prompt completion runs one per
+    prompt; naming one leaves the others running)."""
+    return set(generation.engine_ids) <= generation.aborted_ids
 
 
 def main() -> None:

@@ -1,12 +1,14 @@
 """One request's life, top to bottom.
 
-accept → client ID → internal ID → register → forward the body → wait for the engine →
-stream the response back (IDs mapped back) → on a disconnect, abort upstream → log, metrics.
+accept → refuse what must not pass → register → body (streamed, or with tether's ID written in)
+→ send to the engine → its response head → its body relayed as it arrives (IDs mapped back,
+tokens counted) → on a disconnect, stop the engine's work (abort and confirm, or drop the
+connection) → log, metrics.
 
 The client leaving shows up here in one of two ways: the handler task is cancelled (aiohttp
 runs with `handler_cancellation=True`, so a FIN or RST on the client socket cancels it in any
-phase), or a write to the client fails. Both take the same branch: drop the upstream
-connection, hand the abort call to the tracker, record the outcome.
+phase), or the relay finds the client's socket closing. Both take the same branch: the
+engine's work is stopped and the outcome recorded.
 """
 
 from __future__ import annotations
@@ -14,91 +16,123 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
+from typing import TypeVar
 
-import aiohttp
 import structlog
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_writer import StreamWriter
 from multidict import istr
 
+from .aborts import StopRequest
 from .context import CONTEXT, ProxyContext
+from .engines import Route
 from .errors import (
     AdminAbortedError,
     BlockedRouteError,
-    ClientBodyTimeoutError,
+    ClientGoneError,
     ClientRequestError,
-    InvalidRequestBodyError,
+    DuplicateRequestIdError,
+    InternalError,
     InvalidRequestIdError,
-    RequestBodyTooLargeError,
     RequestTimeoutError,
     ShuttingDownError,
     StoppedByTetherError,
     TetherError,
-    UpstreamBrokenError,
     UpstreamError,
 )
 from .headers import client_response_headers, upstream_request_headers
 from .metrics import route_label
 from .registry import Outcome, Phase, RequestState
+from .relay import ResponseRelay
+from .request_body import outgoing_body
 from .request_ids import (
     IdMapper,
     InvalidClientRequestId,
-    InvalidJsonBody,
     check_client_request_id,
     json_escaped,
     mint_internal_request_id,
-    write_request_id_fields,
 )
 from .routes import is_blocked
-from .upstream import Body
+from .settings import RequestIdMode
+from .tokens import TokenCounter, TokenShape
+from .tracing import RequestSpan
+from .upstream_protocol import ResponseHead, UpstreamExchange
 
 log = structlog.get_logger("tether.request")
 
+_T = TypeVar("_T")
+
 _CONTENT_ENCODING = istr("Content-Encoding")
+_CONTENT_LENGTH = istr("Content-Length")
 _CONTENT_TYPE = istr("Content-Type")
 # Response bodies in which the internal ID is replaced by the client's.
 _MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
-_REQUEST_ID_FIELD = b'"request_id"'
 
 
-class ClientGoneError(ConnectionError):
-    """A write to the client failed: it has left."""
-
-
-class Exchange:
+class RequestCycle:
     """Per-request flags and handles the handler decides from (never shared across requests)."""
 
-    __slots__ = ("body_error", "client_response", "state", "upstream_response")
+    __slots__ = (
+        "background",
+        "client_response",
+        "fan_out",
+        "relay",
+        "route",
+        "span",
+        "span_handed_over",
+        "state",
+        "upstream",
+    )
 
-    def __init__(self, state: RequestState) -> None:
+    def __init__(self, state: RequestState, route: Route | None, span: RequestSpan | None) -> None:
         self.state = state
-        self.upstream_response: aiohttp.ClientResponse | None = None
+        self.route = route
+        self.span = span
+        # The abort tracker ends the span once the engine's work has stopped.
+        self.span_handed_over = False
+        self.upstream: UpstreamExchange | None = None
+        self.relay: ResponseRelay | None = None
         self.client_response: web.StreamResponse | None = None
-        # Why a streamed body stopped, when the client's side of it failed: aiohttp reports
-        # it to us only as a broken upstream request.
-        self.body_error: TetherError | None = None
+        self.background = False  # the client asked the engine to outlive the connection
+        self.fan_out = 1  # separate engine requests the body makes
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:
     """The handler for every client path."""
     ctx = request.app[CONTEXT]
     settings = ctx.settings
-    internal_request_id = mint_internal_request_id()
-    structlog.contextvars.bind_contextvars(internal_request_id=internal_request_id)
 
-    # 1. Refuse what must never reach the engine, and IDs that cannot be echoed safely.
+    # 1. Refuse what must never reach the engine, IDs that cannot be echoed safely, and any
+    #    new work once shutdown has begun. The engine gets a fresh ID of tether's, or (in
+    #    preserve mode) the client's own, which may then not be in flight twice.
     try:
+        if ctx.readiness.draining:
+            raise ShuttingDownError()
         if is_blocked(request.rel_url.raw_path, settings.blocked_paths):
             raise BlockedRouteError(
                 f"{request.path} is an engine control route; tether does not forward it"
             )
         client_request_id = _client_request_id(request, settings.request_id_header)
-    except ClientRequestError as error:
+        if settings.request_id_mode is RequestIdMode.UNIQUE:
+            internal_request_id = mint_internal_request_id()
+        elif ctx.registry.find(client_request_id):
+            raise DuplicateRequestIdError(
+                f"a request with the ID {client_request_id!r} is already in flight "
+                "(TETHER_REQUEST_ID_MODE=preserve passes IDs to the engine unchanged, so each "
+                "must be unique while it runs)"
+            )
+        else:
+            internal_request_id = client_request_id
+    except TetherError as error:
         return _reject(request, ctx, error)
-    structlog.contextvars.bind_contextvars(client_request_id=client_request_id)
+    structlog.contextvars.bind_contextvars(
+        client_request_id=client_request_id, internal_request_id=internal_request_id
+    )
 
     # 2. Register: from here the request is visible to the admin API and to shutdown.
     state = RequestState(
@@ -108,18 +142,20 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         path=request.path,
         route=route_label(request.path),
         task=asyncio.current_task(),
+        connection=request.protocol,
     )
-    exchange = Exchange(state)
+    span = ctx.tracer.start(request.method, state.route, request.headers) if ctx.tracer else None
+    cycle = RequestCycle(state, ctx.engine.route(request.method, request.path), span)
     ctx.registry.add(state)
     ctx.metrics.in_flight.inc()
     try:
         # 3. Forward and relay, bounded by the whole-request timeout when one is set.
         try:
             if settings.request_timeout is None:
-                response = await _forward(request, exchange, ctx)
+                response = await _forward(request, cycle, ctx)
             else:
                 async with asyncio.timeout(settings.request_timeout):
-                    response = await _forward(request, exchange, ctx)
+                    response = await _forward(request, cycle, ctx)
         except TimeoutError as exc:
             if isinstance(exc, TetherError):
                 raise  # tether's own timeouts (connect, idle) already say what happened
@@ -129,30 +165,30 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:
         # 4a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
         outcome = _why_cancelled(request, state, ctx)
-        _stop_upstream(ctx, exchange, outcome)
-        sent = _response_started(exchange)
+        _stop_upstream(ctx, cycle, outcome)
+        sent = _response_started(cycle)
         if outcome is Outcome.CLIENT_DISCONNECTED:
-            _finish(ctx, state, outcome, 499)
+            _finish(ctx, cycle, outcome, 499)
             raise
         if sent is not None:  # cut mid-response: the status it started with stands
-            _finish(ctx, state, outcome, sent.status)
+            _finish(ctx, cycle, outcome, sent.status)
             raise
         # tether cancelled it (admin abort, shutdown) before any byte went out and the client
         # is still there: it gets a 503 it may retry elsewhere, then the connection closes.
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         stopped = _stopped_by_tether(outcome)
-        _finish(ctx, state, outcome, stopped.status, stopped)
+        _finish(ctx, cycle, outcome, stopped.status, stopped)
         response = _error_response(stopped, settings.request_id_header, client_request_id)
         response.force_close()
         return response
     except ClientGoneError:
-        # 4b. A write to the client failed: same as a cancellation by a disconnect. The
-        # response goes back to aiohttp, whose last write fails quietly on the closed socket
-        # (an exception here would be logged as a server error).
-        _stop_upstream(ctx, exchange, Outcome.CLIENT_DISCONNECTED)
-        _finish(ctx, state, Outcome.CLIENT_DISCONNECTED, 499)
-        assert exchange.client_response is not None  # only writes to it raise ClientGoneError
-        return exchange.client_response
+        # 4b. The relay found the client's socket closing: same as a cancellation by a
+        # disconnect. The response goes back to aiohttp, whose last write fails quietly on the
+        # closed socket (an exception here would be logged as a server error).
+        _stop_upstream(ctx, cycle, Outcome.CLIENT_DISCONNECTED)
+        _finish(ctx, cycle, Outcome.CLIENT_DISCONNECTED, 499)
+        assert cycle.client_response is not None  # only a started relay finds the client gone
+        return cycle.client_response
     except TetherError as error:
         # 4c. A bad body, a timeout or an upstream failure: before the response started the
         # client gets a JSON error; after, its stream is cut so it can never pass for a
@@ -160,262 +196,167 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         # so only then is the engine told: a body the engine never fully received starts no
         # generation, and aborting a crashed engine would only add a storm of calls.
         outcome = _outcome_of(error)
-        _stop_upstream(ctx, exchange, outcome, ask_engine=outcome is Outcome.TIMED_OUT)
+        _stop_upstream(ctx, cycle, outcome, ask_engine=outcome is Outcome.TIMED_OUT)
         if isinstance(error, UpstreamError):
             ctx.metrics.upstream_errors.labels(error.code).inc()
-        sent = _response_started(exchange)
-        if sent is not None:
-            _finish(ctx, state, outcome, sent.status, error)
-            _cut_client_stream(request)
-            return sent
-        _finish(ctx, state, outcome, error.status, error)
-        return _error_response(error, settings.request_id_header, client_request_id)
+        return _answer_failure(request, ctx, cycle, outcome, error)
+    except Exception as exc:
+        # 4d. Anything else is a bug in tether. The client still gets an OpenAI-style answer
+        # (or a cut stream), the engine is stopped, and the log gets one error line with the
+        # traceback, never its local variables.
+        bug = InternalError(f"tether failed unexpectedly ({exc.__class__.__name__})")
+        _stop_upstream(ctx, cycle, Outcome.INTERNAL_ERROR)
+        return _answer_failure(request, ctx, cycle, Outcome.INTERNAL_ERROR, bug, exc)
     finally:
         ctx.registry.remove(state)
         ctx.metrics.in_flight.dec()
     # 5. Completed: the engine's answer, whatever its status, went to the client in full.
-    _finish(ctx, state, Outcome.COMPLETED, response.status)
+    _finish(ctx, cycle, Outcome.COMPLETED, response.status)
     return response
 
 
 async def _forward(
-    request: web.Request, exchange: Exchange, ctx: ProxyContext
+    request: web.Request, cycle: RequestCycle, ctx: ProxyContext
 ) -> web.StreamResponse:
-    state = exchange.state
+    state = cycle.state
     settings = ctx.settings
-    body, body_rewritten = await _request_body(request, exchange, ctx)
+    outgoing = await outgoing_body(
+        request,
+        cycle.route,
+        state.internal_request_id,
+        max_json_body=settings.max_json_body,
+        body_timeout=settings.client_body_timeout,
+    )
+    cycle.background = outgoing.background
+    cycle.fan_out = outgoing.items
     headers = upstream_request_headers(
         request.headers,
         client_request_id_header=settings.request_id_header,
         internal_request_id=state.internal_request_id,
         peer=request.remote,
         scheme=request.scheme,
-        body_rewritten=body_rewritten,
+        body_rewritten=outgoing.rewritten,
+        id_headers=ctx.engine.id_headers,
     )
+    if cycle.span is not None:
+        # The engine's own span (vLLM's llm_request) nests under tether's.
+        headers.update(cycle.span.engine_headers())
+    body = outgoing.body
+    content_length = None
+    if isinstance(body, bytes):
+        headers.popall(_CONTENT_LENGTH, None)
+        content_length = len(body)
+    chunked = outgoing.streamed and _CONTENT_LENGTH not in headers
+    head = ctx.upstream.request_head(
+        request.method,
+        request.rel_url.raw_path_qs,
+        headers,
+        content_length=content_length,
+        chunked=chunked,
+    )
+    cycle.upstream = upstream = ctx.upstream.exchange(request.method)
     state.upstream_contacted = True
-    try:
-        exchange.upstream_response = upstream = await ctx.upstream.send(
-            request.method, request.rel_url.raw_path_qs, headers, body
-        )
-    except TetherError:
-        if exchange.body_error is not None:
-            raise exchange.body_error from None
-        raise
+    await upstream.send(head, body, chunked=chunked)
     state.phase = Phase.WAITING
-    mapper = _id_mapper(upstream, state)
-    length = upstream.content_length
+    response_head = await upstream.wait_head()
+    mapper = _id_mapper(response_head, cycle)
+    tokens = TokenCounter(cycle.route.tokens if cycle.route is not None else TokenShape.NONE)
+    cycle.relay = relay = ResponseRelay(upstream, tokens, mapper)
+    state.relay = relay
+    length = response_head.content_length
     if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
-        return await _relay_whole(upstream, exchange, ctx, mapper)
-    return await _relay_stream(request, upstream, exchange, ctx, mapper)
+        return await _relay_whole(response_head, cycle, ctx, mapper)
+    return await _relay_stream(request, response_head, cycle, ctx, mapper)
 
 
-async def _request_body(
-    request: web.Request, exchange: Exchange, ctx: ProxyContext
-) -> tuple[Body, bool]:
-    """The body to send upstream, and whether tether rewrote it.
-
-    JSON bodies are read whole only where the engine needs tether's ID inside them; anything
-    else streams through as it arrives. Either way a client that goes silent mid-body for
-    TETHER_CLIENT_BODY_TIMEOUT seconds gets a 408.
-    """
-    state = exchange.state
-    if not request.body_exists:
-        state.phase = Phase.WAITING
-        return None, False
-    timeout = ctx.settings.client_body_timeout
-    if not (ctx.engine.rewrites_json_bodies and _engine_reads_as_json(request)):
-        await _send_continue_if_asked(request)
-        return _stream_body(request, exchange, timeout), False
-    limit = ctx.settings.max_json_body
-    if request.content_length is not None and request.content_length > limit:
-        raise RequestBodyTooLargeError(
-            f"the JSON body is {request.content_length} bytes; the limit is {limit} "
-            "(TETHER_MAX_JSON_BODY)"
-        )
-    await _send_continue_if_asked(request)
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await _read_body_chunk(request, timeout):
-        size += len(chunk)
-        if size > limit:
-            raise RequestBodyTooLargeError(
-                f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)"
-            )
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    state.phase = Phase.WAITING
-    fields = ctx.engine.body_fields(_REQUEST_ID_FIELD in body, state.internal_request_id)
-    if not fields:
-        return body, False
-    try:
-        return write_request_id_fields(body, fields), True
-    except InvalidJsonBody as exc:
-        raise InvalidRequestBodyError(str(exc)) from None
-
-
-async def _stream_body(
-    request: web.Request, exchange: Exchange, timeout: float
-) -> AsyncIterator[bytes]:
-    try:
-        while chunk := await _read_body_chunk(request, timeout):
-            yield chunk
-    except ClientBodyTimeoutError as error:
-        exchange.body_error = error
-        raise
-    exchange.state.phase = Phase.WAITING
-
-
-async def _read_body_chunk(request: web.Request, timeout: float) -> bytes:
-    """The next piece of the client's body (b"" at its end), bounded by the body timeout."""
-    content = request.content
-    if content.is_eof():  # all of it arrived already (most requests): nothing to wait for
-        return await content.readany()
-    try:
-        async with asyncio.timeout(timeout):
-            return await content.readany()
-    except TimeoutError:
-        raise ClientBodyTimeoutError(
-            f"the client sent no body data for TETHER_CLIENT_BODY_TIMEOUT={timeout}s"
-        ) from None
-
-
-async def defer_continue(request: web.Request) -> None:
-    """aiohttp's `Expect: 100-continue` hook: say nothing yet; tether answers once its own
-    checks (route, request ID, body size) have passed, so a refused upload is never sent."""
-
-
-async def _send_continue_if_asked(request: web.Request) -> None:
-    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-
-def _engine_reads_as_json(request: web.Request) -> bool:
-    """Whether the engine's HTTP layer (FastAPI for vLLM and SGLang) parses this body as JSON:
-    no Content-Type at all, application/json or application/*+json. Rewriting only bodies
-    labelled application/json would let a client's own `rid` through unlabelled."""
-    if _CONTENT_TYPE not in request.headers:
-        return True
-    media_type = request.content_type.lower()
-    return media_type == "application/json" or (
-        media_type.startswith("application/") and media_type.endswith("+json")
-    )
-
-
-def _id_mapper(upstream: aiohttp.ClientResponse, state: RequestState) -> IdMapper | None:
-    """A mapper for JSON and SSE bodies; None for anything else, or anything compressed."""
-    if upstream.headers.get(_CONTENT_ENCODING, "identity").lower() != "identity":
+def _id_mapper(head: ResponseHead, cycle: RequestCycle) -> IdMapper | None:
+    """A mapper for JSON and SSE bodies; None for anything else, anything compressed, and
+    routes whose engine ID is the client's handle."""
+    if cycle.route is not None and not cycle.route.maps_id_back:
         return None
-    media_type = upstream.headers.get(_CONTENT_TYPE, "").partition(";")[0].strip().lower()
+    if head.headers.get(_CONTENT_ENCODING, "identity").lower() != "identity":
+        return None
+    media_type = head.headers.get(_CONTENT_TYPE, "").partition(";")[0].strip().lower()
     if media_type not in _MAPPED_TYPES and not media_type.endswith("+json"):
         return None
+    state = cycle.state
+    if state.internal_request_id == state.client_request_id:
+        return None  # preserve mode: the engine already used the client's ID
     return IdMapper(state.internal_request_id, json_escaped(state.client_request_id))
 
 
 async def _relay_whole(
-    upstream: aiohttp.ClientResponse, exchange: Exchange, ctx: ProxyContext, mapper: IdMapper
+    head: ResponseHead, cycle: RequestCycle, ctx: ProxyContext, mapper: IdMapper
 ) -> web.StreamResponse:
     """A JSON response of known length: read it, map the ID back, answer with its new length."""
-    state = exchange.state
-    try:
-        body = await _idle_bounded(upstream.read(), ctx.settings.stream_idle_timeout)
-    except aiohttp.ClientError as exc:
-        raise UpstreamBrokenError(f"the engine's response broke off: {exc}") from exc
-    _first_byte(ctx, state)
-    upstream.release()
-    body = mapper.feed(body) + mapper.flush()
+    assert cycle.upstream is not None and cycle.relay is not None
+    cycle.relay.to_buffer()
+    cycle.upstream.attach(cycle.relay)
+    await cycle.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    body = mapper.feed(cycle.relay.buffered()) + mapper.flush()
     headers = client_response_headers(
-        upstream.headers,
+        head.headers,
         client_request_id_header=ctx.settings.request_id_header,
-        client_request_id=state.client_request_id,
+        client_request_id=cycle.state.client_request_id,
         body_rewritten=True,
     )
-    state.bytes_out = len(body)
-    return web.Response(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
+    cycle.state.bytes_out = len(body)
+    response = web.Response(status=head.status, reason=head.reason, headers=headers, body=body)
+    if ctx.readiness.draining:
+        response.force_close()
+    return response
 
 
 async def _relay_stream(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
-    exchange: Exchange,
+    head: ResponseHead,
+    cycle: RequestCycle,
     ctx: ProxyContext,
     mapper: IdMapper | None,
 ) -> web.StreamResponse:
-    """Relay the body chunk by chunk as it arrives; the awaited write is the backpressure."""
-    state = exchange.state
-    idle_timeout = ctx.settings.stream_idle_timeout
+    """Relay the body to the client as it arrives, from the upstream protocol straight into
+    the client's socket; this coroutine only waits for the end."""
+    assert cycle.upstream is not None and cycle.relay is not None
     headers = client_response_headers(
-        upstream.headers,
+        head.headers,
         client_request_id_header=ctx.settings.request_id_header,
-        client_request_id=state.client_request_id,
+        client_request_id=cycle.state.client_request_id,
         body_rewritten=mapper is not None,
     )
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
-    exchange.client_response = response
-    await _to_client(response.prepare(request))
-    state.phase = Phase.STREAMING
-    is_sse = headers.get(_CONTENT_TYPE, "").startswith("text/event-stream")
-    reader = upstream.content
-    # The hot loop: one read, one write per chunk. Counters are kept on the request and
-    # published once at its end (`_finish`), not per chunk.
-    while True:
-        try:
-            if idle_timeout is None:
-                chunk = await reader.readany()
-            else:
-                chunk = await _idle_bounded(reader.readany(), idle_timeout)
-        except aiohttp.ClientError as exc:
-            raise UpstreamBrokenError(f"the engine's response broke off: {exc}") from exc
-        if not chunk:
-            break
-        if state.first_byte_at is None:
-            _first_byte(ctx, state)
-        if mapper is not None:
-            chunk = mapper.feed(chunk)
-            if not chunk:
-                continue
-        try:
-            await response.write(chunk)
-        except ConnectionError as exc:
-            raise ClientGoneError(str(exc)) from exc
-        state.bytes_out += len(chunk)
-        if is_sse:
-            state.sse_events += chunk.count(b"\n\n")
-    if mapper is not None:
-        tail = mapper.flush()
-        if tail:
-            await _to_client(response.write(tail))
-            state.bytes_out += len(tail)
-    if state.first_byte_at is None:
-        _first_byte(ctx, state)
-    upstream.release()
+    response = web.StreamResponse(status=head.status, reason=head.reason, headers=headers)
+    if ctx.readiness.draining:
+        response.force_close()
+    cycle.client_response = response
+    writer = await _to_client(response.prepare(request))
+    transport = request.transport
+    if writer is None or transport is None or transport.is_closing():
+        raise ClientGoneError("the client left before the response started")
+    cycle.relay.to_client(
+        transport,
+        writer,
+        chunked=_is_chunked(writer),
+        is_sse=headers.get(_CONTENT_TYPE, "").startswith("text/event-stream"),
+    )
+    cycle.state.phase = Phase.STREAMING
+    cycle.upstream.attach(cycle.relay)
+    await cycle.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    cycle.relay.finish()
     await _to_client(response.write_eof())
     return response
 
 
-async def _idle_bounded(read: Awaitable[bytes], timeout: float | None) -> bytes:
-    """Await an upstream read, bounded by TETHER_STREAM_IDLE_TIMEOUT when set."""
-    if timeout is None:
-        return await read
-    try:
-        async with asyncio.timeout(timeout):
-            return await read
-    except TimeoutError as exc:
-        raise RequestTimeoutError(
-            f"the engine sent nothing for TETHER_STREAM_IDLE_TIMEOUT={timeout}s"
-        ) from exc
+def _is_chunked(writer: AbstractStreamWriter) -> bool:
+    """Whether aiohttp framed this response as chunked (no Content-Length, HTTP/1.1): the relay
+    then frames each piece the same way, and aiohttp writes the last chunk at the end."""
+    return isinstance(writer, StreamWriter) and writer.chunked
 
 
-async def _to_client(write: Awaitable[object]) -> None:
+async def _to_client(write: Awaitable[_T]) -> _T:
     """Await a write to the client; a failure means the client has left."""
     try:
-        await write
+        return await write
     except ConnectionError as exc:
         raise ClientGoneError(str(exc)) from exc
-
-
-def _first_byte(ctx: ProxyContext, state: RequestState) -> None:
-    state.first_byte_at = time.monotonic()
-    ctx.metrics.record_first_byte(state.route, state.first_byte_at - state.started_at)
 
 
 def _client_request_id(request: web.Request, header: str) -> str:
@@ -428,16 +369,16 @@ def _client_request_id(request: web.Request, header: str) -> str:
         raise InvalidRequestIdError(f"the {header} header {exc}") from None
 
 
-def _response_started(exchange: Exchange) -> web.StreamResponse | None:
+def _response_started(cycle: RequestCycle) -> web.StreamResponse | None:
     """The client's response if its head already went out (its status can no longer change)."""
-    response = exchange.client_response
+    response = cycle.client_response
     return response if response is not None and response.prepared else None
 
 
 def _stopped_by_tether(outcome: Outcome) -> StoppedByTetherError:
     if outcome is Outcome.ADMIN_ABORTED:
         return AdminAbortedError("an operator aborted this request")
-    return ShuttingDownError("tether is shutting down; retry the request elsewhere")
+    return ShuttingDownError()
 
 
 def _outcome_of(error: TetherError) -> Outcome:
@@ -458,14 +399,15 @@ def _why_cancelled(request: web.Request, state: RequestState, ctx: ProxyContext)
 
 
 def _stop_upstream(
-    ctx: ProxyContext, exchange: Exchange, outcome: Outcome, *, ask_engine: bool = True
+    ctx: ProxyContext, cycle: RequestCycle, outcome: Outcome, *, ask_engine: bool = True
 ) -> None:
-    """Drop the upstream connection and ask the engine to abort, if it saw the request.
+    """Stop what the engine is doing for this request, if it saw the request.
 
-    `close()` (never `release()`) so the socket is not returned to the pool: an engine that
-    listens for disconnects stops at once, whatever the abort call achieves.
+    Without `ask_engine`, or when the engine never got the whole request, the connection is
+    dropped (never pooled): an engine that listens for disconnects stops at once. Otherwise
+    the abort tracker stops it, confirming from the engine's own response where it can.
     """
-    state = exchange.state
+    state = cycle.state
     if outcome is Outcome.CLIENT_DISCONNECTED:
         ctx.metrics.client_disconnects.labels(state.phase.value).inc()
         log.info(
@@ -473,17 +415,62 @@ def _stop_upstream(
             phase=state.phase.value,
             upstream_contacted=state.upstream_contacted,
         )
-    if exchange.upstream_response is not None:
-        exchange.upstream_response.close()
-    if not (state.upstream_contacted and ask_engine):
+        if cycle.span is not None:
+            cycle.span.event("client_disconnected", phase=state.phase.value)
+            cycle.span.set(disconnect_phase=state.phase.value)
+    upstream = cycle.upstream
+    if upstream is None:
         return
-    ctx.metrics.upstream_cancels.labels(outcome.value).inc()
-    ctx.aborts.abort(
-        state.path,
-        state.internal_request_id,
-        state.client_request_id,
-        asyncio.get_running_loop().time(),
+    relay = cycle.relay
+    if relay is None:
+        # The engine's answer had not begun: it is still counted when it comes.
+        shape = cycle.route.tokens if cycle.route is not None else TokenShape.NONE
+        cycle.relay = relay = ResponseRelay(upstream, TokenCounter(shape), None)
+        upstream.attach(relay)
+    if ask_engine and not upstream.ended:
+        ctx.metrics.upstream_cancels.labels(outcome.value).inc()
+    if not ask_engine or not upstream.sent or upstream.ended:
+        relay.discard()
+        upstream.close()
+        return
+    route = cycle.route
+    stop = StopRequest(
+        internal_request_id=state.internal_request_id,
+        client_request_id=state.client_request_id,
+        route_label=state.route,
+        engine_request_ids=(
+            route.engine_request_ids(state.internal_request_id, cycle.fan_out)
+            if route is not None
+            else ()
+        ),
+        upstream=upstream,
+        relay=relay,
+        since=asyncio.get_running_loop().time(),
+        span=cycle.span,
     )
+    if cycle.background:
+        cycle.span_handed_over = ctx.aborts.let_finish(stop)
+    else:
+        cycle.span_handed_over = ctx.aborts.stop(stop)
+
+
+def _answer_failure(
+    request: web.Request,
+    ctx: ProxyContext,
+    cycle: RequestCycle,
+    outcome: Outcome,
+    error: TetherError,
+    exc: BaseException | None = None,
+) -> web.StreamResponse:
+    """Before the response started: a JSON error. After: the stream is cut, so the client can
+    never take it for a complete one."""
+    sent = _response_started(cycle)
+    if sent is not None:
+        _finish(ctx, cycle, outcome, sent.status, error, exc)
+        _cut_client_stream(request)
+        return sent
+    _finish(ctx, cycle, outcome, error.status, error, exc)
+    return _error_response(error, ctx.settings.request_id_header, cycle.state.client_request_id)
 
 
 def _cut_client_stream(request: web.Request) -> None:
@@ -496,10 +483,10 @@ def _cut_client_stream(request: web.Request) -> None:
         request.transport.close()
 
 
-def _reject(request: web.Request, ctx: ProxyContext, error: ClientRequestError) -> web.Response:
+def _reject(request: web.Request, ctx: ProxyContext, error: TetherError) -> web.Response:
+    """Refused before anything was forwarded: counted as rejected, never seen by the engine."""
     header = ctx.settings.request_id_header
-    client_request_id = request.headers.get(header)
-    echo = client_request_id if isinstance(error, BlockedRouteError) else None
+    echo = request.headers.get(header) if not isinstance(error, InvalidRequestIdError) else None
     if echo is not None:
         try:
             echo = check_client_request_id(echo)
@@ -513,8 +500,20 @@ def _reject(request: web.Request, ctx: ProxyContext, error: ClientRequestError) 
         status=error.status,
         reason=error.message,
     )
-    ctx.metrics.record_rejection(route_label(request.path), error.status)
-    return _error_response(error, header, echo)
+    route = route_label(request.path)
+    ctx.metrics.record_rejection(route, error.status)
+    if ctx.tracer is not None:
+        span = ctx.tracer.start(request.method, route, request.headers)
+        span.set(client_request_id=echo, outcome=Outcome.REJECTED.value)
+        span.finish(error.status, error.message)
+        span.end()
+    response = _error_response(error, header, echo)
+    if isinstance(error, ShuttingDownError):
+        # Draining: this connection closes after the answer, and the client (or gateway) is
+        # told it may retry at once, elsewhere.
+        response.headers["Retry-After"] = "0"
+        response.force_close()
+    return response
 
 
 def _error_response(error: TetherError, header: str, client_request_id: str | None) -> web.Response:
@@ -529,18 +528,50 @@ def _error_response(error: TetherError, header: str, client_request_id: str | No
 
 def _finish(
     ctx: ProxyContext,
-    state: RequestState,
+    cycle: RequestCycle,
     outcome: Outcome,
     status: int,
     error: TetherError | None = None,
+    exc: BaseException | None = None,
 ) -> None:
     """Metrics and the one summary line of a request."""
+    state = cycle.state
     now = time.monotonic()
     duration = now - state.started_at
+    relay = cycle.relay
+    upstream = cycle.upstream
+    if upstream is not None and upstream.head is not None:
+        first_byte = upstream.first_body_at or now
+        ctx.metrics.record_first_byte(state.route, first_byte - state.started_at)
+        state.first_byte_at = first_byte
+    tokens = 0
+    if relay is not None:
+        if relay.relaying or relay.tokens_relayed is None:
+            tokens = relay.tokens.total() if outcome is Outcome.COMPLETED else relay.tokens.events
+        else:
+            tokens = relay.tokens_relayed
+        state.bytes_out = max(state.bytes_out, relay.bytes_out)
     ctx.metrics.record_request(
-        state.route, status, outcome.value, duration, state.bytes_out, state.sse_events
+        state.route,
+        status,
+        outcome.value,
+        duration,
+        state.bytes_out,
+        relay.sse_events if relay is not None else 0,
+        tokens,
     )
     ttfb = state.first_byte_at - state.started_at if state.first_byte_at is not None else None
+    span = cycle.span
+    if span is not None:
+        span.set(
+            client_request_id=state.client_request_id,
+            internal_request_id=state.internal_request_id,
+            outcome=outcome.value,
+            tokens_relayed=tokens,
+        )
+        span.finish(status, error.message if error is not None else None)
+        if not cycle.span_handed_over:
+            span.end()
     log.log(
         error.log_level if error is not None else logging.INFO,
         "request_finished",
@@ -551,5 +582,7 @@ def _finish(
         duration_ms=round(duration * 1000, 2),
         ttfb_ms=round(ttfb * 1000, 2) if ttfb is not None else None,
         bytes_out=state.bytes_out,
+        tokens=tokens,
         error=error.message if error is not None else None,
+        exc_info=exc,
     )

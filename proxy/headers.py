@@ -57,14 +57,17 @@ def upstream_request_headers(
     peer: str | None,
     scheme: str,
     body_rewritten: bool,
+    id_headers: tuple[str, ...] = (UPSTREAM_REQUEST_ID_HEADER,),
 ) -> CIMultiDict[str]:
     """Headers to send upstream for one client request.
 
-    The client's own request ID never reaches the engine: tether's internal ID replaces it,
-    always as `X-Request-Id`, the header vLLM (and most servers) key their request by. `Host`
-    is left to the HTTP client so it names the upstream. A rewritten body has a new length.
+    The client's own request ID never reaches the engine: tether's internal ID replaces it in
+    every header the engine keys requests by (`X-Request-Id` for vLLM and most servers, plus
+    SGLang's `X-Override-Rid`), so a client cannot pick the engine's ID through any of them.
+    `Host` is left to the HTTP client so it names the upstream. A rewritten body has a new
+    length.
     """
-    also_drop = [_HOST, _EXPECT, client_request_id_header, UPSTREAM_REQUEST_ID_HEADER]
+    also_drop = [_HOST, _EXPECT, client_request_id_header, *id_headers]
     if body_rewritten:
         also_drop.append(_CONTENT_LENGTH)
     result = _end_to_end(headers, also_drop)
@@ -75,7 +78,8 @@ def upstream_request_headers(
     host = headers.get(_HOST)
     if host and _X_FORWARDED_HOST not in result:
         result[_X_FORWARDED_HOST] = host
-    result[UPSTREAM_REQUEST_ID_HEADER] = internal_request_id
+    for name in id_headers:
+        result[name] = internal_request_id
     return result
 
 

@@ -1,18 +1,65 @@
-"""structlog set-up: tether's events and aiohttp's own loggers rendered the same way."""
+"""structlog set-up: tether's events and aiohttp's own loggers rendered the same way, and
+nothing in them that must not leave the pod.
+
+Logs are shipped to third-party systems, so no record carries a prompt, a completion or a
+credential: tracebacks are rendered without local variables (the request path's locals hold
+bodies and headers, the abort path's the engine's admin key), and a redaction step masks
+credential fields, drops body fields, and masks bearer tokens, URL user-info and the
+configured secrets wherever they appear in a string, in tether's records and in aiohttp's and
+asyncio's alike.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from collections.abc import Iterable
 
 import structlog
 from aiohttp.http_exceptions import HttpProcessingError
 
 from .settings import LogFormat, LogLevel
 
+REDACTED = "[redacted]"
+# Field names (lower-cased, `-` read as `_`) whose values are credentials.
+_CREDENTIAL_FIELDS = frozenset(
+    {
+        "authorization",
+        "proxy_authorization",
+        "cookie",
+        "set_cookie",
+        "x_api_key",
+        "api_key",
+        "apikey",
+        "token",
+        "admin_token",
+        "upstream_admin_key",
+        "password",
+        "secret",
+    }
+)
+# Field names that would carry what users wrote or what the model answered.
+_CONTENT_FIELDS = frozenset(
+    {
+        "body",
+        "request_body",
+        "response_body",
+        "payload",
+        "prompt",
+        "messages",
+        "input",
+        "completion",
+        "content",
+    }
+)
+_BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s,;\"']+")
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@")
 
-def configure_logging(log_format: LogFormat, level: LogLevel) -> None:
+
+def configure_logging(log_format: LogFormat, level: LogLevel, secrets: Iterable[str] = ()) -> None:
     numeric_level = logging.getLevelName(level.value.upper())
+    redact = Redactor(secrets)
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -21,16 +68,24 @@ def configure_logging(log_format: LogFormat, level: LogLevel) -> None:
     renderer: structlog.types.Processor
     if log_format is LogFormat.JSON:
         renderer = structlog.processors.JSONRenderer()
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        )
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stdout.isatty())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=sys.stdout.isatty(), exception_formatter=structlog.dev.plain_traceback
+        )
+    shared.append(redact)
     structlog.configure(
         processors=[*shared, _drop_none, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.WriteLoggerFactory(sys.stdout),
         cache_logger_on_first_use=True,
     )
-    # aiohttp, asyncio and anything else on stdlib logging: same renderer, same stream.
+    # aiohttp, asyncio and anything else on stdlib logging: same renderer, same stream, same
+    # redaction (their messages can quote raw protocol bytes).
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
@@ -44,6 +99,49 @@ def configure_logging(log_format: LogFormat, level: LogLevel) -> None:
     # tether writes its own line per request; aiohttp's access log would repeat it.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(_MalformedRequestsAreInfo())
+
+
+class Redactor:
+    """The structlog processor that keeps credentials and content out of every record."""
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        # Longest first, so a secret that contains another is masked whole.
+        self._secrets = sorted({secret for secret in secrets if secret}, key=len, reverse=True)
+
+    def __call__(
+        self, _logger: object, _method: str, event: structlog.types.EventDict
+    ) -> structlog.types.EventDict:
+        return {
+            key: self._value(key, value)
+            for key, value in event.items()
+            if key.lower() not in _CONTENT_FIELDS
+        }
+
+    def _value(self, key: str, value: object) -> object:
+        if key.lower().replace("-", "_") in _CREDENTIAL_FIELDS:
+            return REDACTED
+        return self._clean(value)
+
+    def _clean(self, value: object) -> object:
+        if isinstance(value, str):
+            return self._text(value)
+        if isinstance(value, dict):
+            return {
+                key: self._value(str(key), item)
+                for key, item in value.items()
+                if str(key).lower() not in _CONTENT_FIELDS
+            }
+        if isinstance(value, list | tuple):
+            return [self._clean(item) for item in value]
+        return value
+
+    def _text(self, text: str) -> str:
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, REDACTED)
+        if "://" in text:
+            text = _URL_USERINFO.sub(rf"\1{REDACTED}@", text)
+        return _BEARER.sub(rf"\1 {REDACTED}", text)
 
 
 class _MalformedRequestsAreInfo(logging.Filter):

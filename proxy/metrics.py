@@ -8,23 +8,38 @@ from prometheus_client.metrics import MetricWrapperBase
 from .registry import Outcome
 
 # Routes known by name; anything else is counted as "other" so label values stay bounded.
-KNOWN_ROUTES = frozenset(
+# The probes and scrapes routers send to the pod's serving port (endpoint pickers, the
+# production-stack router) have labels of their own, so they never pass for generation.
+GENERATION_ROUTES = frozenset(
     {
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/responses",
         "/v1/messages",
         "/v1/embeddings",
-        "/v1/models",
         "/v1/audio/transcriptions",
+        "/v1/audio/translations",
         "/v1/rerank",
         "/v1/score",
         "/generate",
         "/generate_stream",
+        "/invocations",
+    }
+)
+KNOWN_ROUTES = GENERATION_ROUTES | frozenset(
+    {
+        "/v1/models",
         "/tokenize",
         "/detokenize",
         "/health",
-        "/invocations",
+        "/health_generate",
+        "/metrics",
+        "/version",
+        "/ping",
+        "/load",
+        "/v1/loads",
+        "/get_model_info",
+        "/get_server_info",
     }
 )
 
@@ -70,14 +85,41 @@ class Metrics:
         )
         self.aborts = Counter(
             "tether_aborts",
-            "Abort calls to the engine, by engine and result.",
+            "Requests tether stopped at the engine, by engine and result: confirmed (the "
+            "engine ended the response within TETHER_ABORT_CONFIRM_TIMEOUT), unconfirmed (the "
+            "abort call was accepted, the response went on; connection dropped), "
+            "not_supported (no abort route; connection dropped), unknown_route (tether cannot "
+            "name the engine's ID on this route; connection dropped), failed (the abort call "
+            "failed; connection dropped).",
             ["engine", "result"],
             registry=r,
         )
         self.abort_latency = Histogram(
             "tether_abort_latency_seconds",
-            "From the disconnect to the engine's answer to the abort call.",
+            "From the disconnect to the engine accepting the abort call.",
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_stop = Histogram(
+            "tether_engine_stop_seconds",
+            "From the disconnect to the end of the engine's response, for confirmed aborts.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens_relayed = Counter(
+            "tether_tokens_relayed",
+            "Completion tokens relayed to clients, by route: the engine's usage count where "
+            "it reports one, else token-carrying stream events (one token each with vLLM's "
+            "and SGLang's default stream settings).",
+            ["route"],
+            registry=r,
+        )
+        self.tokens_after_disconnect = Counter(
+            "tether_tokens_after_disconnect",
+            "Completion tokens the engine produced after the client left, up to the end of "
+            "its response (aborts that the engine accepted; a non-streaming answer the client "
+            "never received counts whole). Counted as tether_tokens_relayed_total is.",
+            ["route"],
             registry=r,
         )
         self.upstream_errors = Counter(
@@ -130,6 +172,7 @@ class Metrics:
         duration: float,
         bytes_out: int,
         sse_events: int,
+        tokens: int,
     ) -> None:
         """Everything counted once per request tether forwarded."""
         self._count_ending(route, status, outcome)
@@ -138,6 +181,15 @@ class Metrics:
             self.bytes_streamed.inc(bytes_out)
         if sse_events:
             self.sse_events.inc(sse_events)
+        if tokens:
+            self._child(self.tokens_relayed, route).inc(tokens)  # type: ignore[attr-defined]
+
+    def record_tokens_after_disconnect(self, route: str, tokens: int) -> None:
+        child = self._child(self.tokens_after_disconnect, route)
+        child.inc(tokens)  # type: ignore[attr-defined]
+
+    def count_abort(self, engine: str, result: str) -> None:
+        self._child(self.aborts, engine, result).inc()  # type: ignore[attr-defined]
 
     def record_rejection(self, route: str, status: int) -> None:
         """A request refused before anything was forwarded (no duration to speak of)."""

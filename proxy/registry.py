@@ -7,6 +7,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
+
+
+class Progress(Protocol):
+    """How far a response has got (the relay's view)."""
+
+    @property
+    def bytes_out(self) -> int: ...
 
 
 class Phase(StrEnum):
@@ -27,6 +35,7 @@ class Outcome(StrEnum):
     SHUTDOWN_ABORTED = "shutdown_aborted"
     TIMED_OUT = "timed_out"
     UPSTREAM_FAILED = "upstream_failed"
+    INTERNAL_ERROR = "internal_error"
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +56,11 @@ class RequestState:
     # Set when tether itself ends the request (admin abort, shutdown) before cancelling it.
     ended_by: Outcome | None = None
     task: asyncio.Task[object] | None = None
+    # The client connection it arrived on (for the drain: connections serving no request
+    # are closed at once).
+    connection: object = None
+    # What is relaying its response, once that began (for the bytes sent so far).
+    relay: Progress | None = None
 
     def as_json(self, now: float) -> dict[str, object]:
         return {
@@ -56,7 +70,7 @@ class RequestState:
             "path": self.path,
             "phase": self.phase.value,
             "age_seconds": round(now - self.started_at, 3),
-            "bytes_out": self.bytes_out,
+            "bytes_out": self.relay.bytes_out if self.relay is not None else self.bytes_out,
         }
 
 
@@ -95,6 +109,10 @@ class Registry:
         if not found and request_id in self._by_internal:
             found.append(self._by_internal[request_id])
         return found
+
+    def connections(self) -> set[object]:
+        """The client connections with a request in flight."""
+        return {state.connection for state in self._by_internal.values()}
 
     def __len__(self) -> int:
         return len(self._by_internal)

@@ -44,9 +44,9 @@ def listening_socket(host: str, port: int, keepalive_idle: int) -> socket.socket
 class TetherServer:
     """The proxy and admin servers with their lifetimes; `stop()` is the graceful shutdown."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, tracer_provider: object | None = None) -> None:
         self.settings = settings
-        self.app = create_app(settings)
+        self.app = create_app(settings, tracer_provider)
         self._proxy_runner = web.AppRunner(
             self.app,
             handle_signals=False,
@@ -107,6 +107,7 @@ class TetherServer:
         ctx.readiness.draining = True
         if self._proxy_site is not None:
             await self._proxy_site.stop()
+        self._close_idle_connections(ctx)
         in_flight = len(ctx.registry)
         log.info(
             "shutdown_started", in_flight=in_flight, grace_seconds=self.settings.shutdown_grace
@@ -120,6 +121,19 @@ class TetherServer:
         await self._proxy_runner.cleanup()  # drains the abort tracker, closes the session
         await self._admin_runner.cleanup()
         log.info("shutdown_finished")
+
+    def _close_idle_connections(self, ctx: ProxyContext) -> None:
+        """Keep-alive connections with no request in flight are closed at once, so clients
+        and gateways open their next connection elsewhere. Busy ones stay: their responses
+        finish (with `Connection: close` where the head has not gone out yet), and a request
+        that still arrives on one is answered 503 `shutting_down` with `Retry-After: 0`."""
+        server = self._proxy_runner.server
+        if server is None:
+            return
+        busy = ctx.registry.connections()
+        for connection in server.connections:
+            if connection not in busy:
+                connection.force_close()
 
     async def _abort_in_flight(self, ctx: ProxyContext) -> None:
         left = list(ctx.registry)

@@ -56,6 +56,19 @@ class Engine(StrEnum):
     NONE = "none"
 
 
+class RequestIdMode(StrEnum):
+    """What tether sends the engine as the request ID."""
+
+    UNIQUE = "unique"  # a fresh internal ID per request; the client's is mapped back
+    PRESERVE = "preserve"  # the client's (or router's) ID as is; duplicates in flight refused
+
+
+class Tracing(StrEnum):
+    AUTO = "auto"  # on when OTEL_EXPORTER_OTLP_ENDPOINT is set and the otel extra installed
+    ON = "on"
+    OFF = "off"
+
+
 class LogFormat(StrEnum):
     JSON = "json"
     CONSOLE = "console"
@@ -110,6 +123,11 @@ class Settings(BaseSettings):
         description="Body template of the abort call for generic; {internal_request_id} is "
         "replaced by tether's ID.",
     )
+    sglang_rid_header: bool = Field(
+        False,
+        description="SGLang only: carry tether's rid in the X-Override-Rid header instead of "
+        "rewriting JSON bodies (SGLang started with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1).",
+    )
     upstream_admin_key: SecretStr | None = Field(
         None, description="Sent as a bearer token on abort calls (SGLang admin key)."
     )
@@ -117,6 +135,12 @@ class Settings(BaseSettings):
         None, description="Bearer token for POST /admin/abort; unset refuses admin mutations."
     )
     request_id_header: str = Field("X-Request-Id", description="The header clients use.")
+    request_id_mode: RequestIdMode = Field(
+        RequestIdMode.UNIQUE,
+        description="unique: a fresh ID per request upstream, the client's mapped back; "
+        "preserve: the client's ID upstream unchanged (P/D pairs, router-assigned IDs), a "
+        "second one in flight refused with 409.",
+    )
     connect_timeout: Seconds = Field(5.0, description="Seconds to connect upstream.")
     request_timeout: Seconds | None = Field(
         None, description="Seconds a whole request may take; unset means no limit."
@@ -135,6 +159,12 @@ class Settings(BaseSettings):
     abort_timeout: Seconds = Field(2.0, description="Seconds one abort attempt may take.")
     abort_deadline: Seconds = Field(
         5.0, description="Seconds all attempts of one abort (retries included) may take."
+    )
+    abort_confirm_timeout: Seconds = Field(
+        2.0,
+        description="Seconds after a disconnect tether keeps reading the engine's response, "
+        "once the abort call was accepted, to confirm that it ended; then the connection is "
+        "dropped.",
     )
     abort_repeat_delay: float = Field(
         0.5,
@@ -164,10 +194,37 @@ class Settings(BaseSettings):
         description="Seconds of client silence before TCP keepalive probes look for a "
         "vanished peer.",
     )
+    fleet_dns: str | None = Field(
+        None,
+        description="Name whose A/AAAA records are every replica's admin address (a headless "
+        "Service), as name or name:port (default port: TETHER_ADMIN_PORT), for fleet-wide "
+        "aborts.",
+    )
+    fleet_peers: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Comma-separated host:port admin addresses of the other replicas, for "
+        "fleet-wide aborts (compose, tests).",
+    )
+    replica_name: str | None = Field(
+        None,
+        description="Name this replica gives in fleet-wide aborts (default: the host name, "
+        "which is the pod's name in Kubernetes).",
+    )
+    fleet_timeout: Seconds = Field(
+        1.0, description="Seconds one replica may take to answer a fleet-wide abort."
+    )
+    tracing: Tracing = Field(
+        Tracing.AUTO,
+        description="auto, on or off: OpenTelemetry spans (pip install 'tether[otel]'; "
+        "configured by the standard OTEL_* variables); auto is on when "
+        "OTEL_EXPORTER_OTLP_ENDPOINT is set.",
+    )
     log_format: LogFormat = Field(LogFormat.JSON, description="json or console.")
     log_level: LogLevel = Field(LogLevel.INFO, description="debug, info, warning or error.")
 
-    @field_validator("engine", "log_format", "log_level", mode="before")
+    @field_validator(
+        "engine", "log_format", "log_level", "request_id_mode", "tracing", mode="before"
+    )
     @classmethod
     def _case_insensitive_choice(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
@@ -239,7 +296,7 @@ class Settings(BaseSettings):
             raise ValueError("must start with /")
         return value
 
-    @field_validator("blocked_paths", mode="before")
+    @field_validator("blocked_paths", "fleet_peers", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -256,6 +313,28 @@ class Settings(BaseSettings):
                 raise ValueError(f"{path!r} must start with /")
         return tuple(path.rstrip("/").lower() or "/" for path in value)
 
+    def secret_values(self) -> tuple[str, ...]:
+        """The configured credentials, which must never appear in a log line."""
+        return tuple(
+            secret.get_secret_value()
+            for secret in (self.admin_token, self.upstream_admin_key)
+            if secret is not None
+        )
+
+    @field_validator("fleet_peers")
+    @classmethod
+    def _host_ports(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for peer in value:
+            _split_host_port(peer, required=True)
+        return value
+
+    @field_validator("fleet_dns")
+    @classmethod
+    def _dns_name(cls, value: str | None) -> str | None:
+        if value is not None:
+            _split_host_port(value, required=False)
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.port == self.admin_port != 0 and self.host == self.admin_host:
@@ -265,6 +344,24 @@ class Settings(BaseSettings):
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
         return self
+
+
+def _split_host_port(value: str, *, required: bool) -> tuple[str, int | None]:
+    """`host:port` (`[v6]:port` for IPv6) or, unless `required`, a bare host."""
+    parts = urlsplit(f"//{value}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{value!r} has an invalid port") from None
+    if not parts.hostname or (required and port is None):
+        raise ValueError(f"{value!r} must be host:port")
+    return parts.hostname, port
+
+
+def split_host_port(value: str, default_port: int) -> tuple[str, int]:
+    """A validated `host[:port]` setting as (host, port)."""
+    host, port = _split_host_port(value, required=False)
+    return host, port if port is not None else default_port
 
 
 def env_var(field_name: str) -> str:

@@ -1,20 +1,20 @@
-"""The only module that talks to the engine: one pooled client session, requests, aborts and
-health checks."""
+"""The only module that knows where the engine is: client requests go over tether's own
+HTTP/1.1 connections (`upstream_protocol`), abort calls and health checks over aiohttp
+sessions with connections of their own, so neither queues behind the relay."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
+import ssl
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
-from yarl import URL
 
 from .engines import AbortCall
-from .errors import UpstreamConnectTimeoutError, UpstreamUnavailableError
 from .settings import Settings
-
-Body = bytes | AsyncIterable[bytes] | None
+from .upstream_protocol import UpstreamExchange, UpstreamPool
 
 # Idle pooled connections are closed after this long: below uvicorn's default keep-alive of
 # 5 s (vLLM, SGLang), so tether never sends a request on a connection the engine is closing.
@@ -27,86 +27,88 @@ class UpstreamClient:
     def __init__(
         self,
         settings: Settings,
-        session: aiohttp.ClientSession,
+        pool: UpstreamPool,
+        control_session: aiohttp.ClientSession,
         health_session: aiohttp.ClientSession,
     ) -> None:
-        self._base_url = settings.upstream_url
-        self._session = session
+        self._pool = pool
+        self._control_session = control_session
         self._health_session = health_session
-        self._request_timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.connect_timeout, sock_connect=settings.connect_timeout
-        )
+        parts = urlsplit(settings.upstream_url)
+        default_port = 443 if parts.scheme == "https" else 80
+        host = parts.hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        self._host_header = host if parts.port in (None, default_port) else f"{host}:{parts.port}"
+        self._base_path = parts.path.rstrip("/")
         self._abort_headers: dict[str, str] = {"Content-Type": "application/json"}
         if settings.upstream_admin_key is not None:
             key = settings.upstream_admin_key.get_secret_value()
             self._abort_headers["Authorization"] = f"Bearer {key}"
-        self._health_url = self._base_url + settings.upstream_health_path
+        self._health_url = settings.upstream_url + settings.upstream_health_path
         self._health_timeout = aiohttp.ClientTimeout(total=max(settings.health_interval, 2.0))
 
     @classmethod
     @asynccontextmanager
     async def open(cls, settings: Settings) -> AsyncIterator[UpstreamClient]:
-        connector = aiohttp.TCPConnector(
-            limit=0,  # the engine's own admission control decides, not a pool size
-            keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS,
-            ttl_dns_cache=60,
-            enable_cleanup_closed=True,
+        parts = urlsplit(settings.upstream_url)
+        https = parts.scheme == "https"
+        pool = UpstreamPool(
+            parts.hostname or "",
+            parts.port or (443 if https else 80),
+            ssl_context=ssl.create_default_context() if https else None,
+            connect_timeout=settings.connect_timeout,
+            idle_timeout=UPSTREAM_KEEPALIVE_SECONDS,
         )
-        session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,  # compressed bodies pass through untouched
-            # Only what the client sent goes upstream: no added User-Agent, Accept,
-            # Accept-Encoding or Content-Type.
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        # Abort calls keep a few connections of their own, warm, so an abort never waits for
+        # a connection the relay is using nor pays for a new one at the worst moment.
+        control_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS, ttl_dns_cache=60
+            ),
             cookie_jar=aiohttp.DummyCookieJar(),
-            read_bufsize=2**16,
         )
-        # Health checks open a fresh connection each time: they prove the engine still accepts
-        # connections, and they do not keep the request pool's idle connections alive (the
-        # pool hands out its oldest connection first, so frequent checks would touch them all).
+        # Health checks open a fresh connection each time: they prove the engine still
+        # accepts connections, and keep no pooled connection warm.
         health_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True, limit=1),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         try:
-            yield cls(settings, session, health_session)
+            yield cls(settings, pool, control_session, health_session)
         finally:
-            await session.close()
+            pool.close()
+            await control_session.close()
             await health_session.close()
 
-    async def send(
-        self, method: str, path_qs: str, headers: CIMultiDict[str], body: Body
-    ) -> aiohttp.ClientResponse:
-        """Send a client's request; return once the engine's response headers arrived.
+    def exchange(self, method: str) -> UpstreamExchange:
+        """A new exchange for one client request; `send` it with `request_head`."""
+        return self._pool.exchange(head_only=method == "HEAD")
 
-        If this is cancelled (the client left), aiohttp closes the connection rather than
-        returning it to the pool, so the engine sees the disconnect too.
-        """
-        try:
-            return await self._session.request(
-                method,
-                # As the client sent it: re-encoding could change what the engine routes on.
-                URL(self._base_url + path_qs, encoded=True),
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                timeout=self._request_timeout,
-                compress=None,
-            )
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise UpstreamConnectTimeoutError(
-                f"the engine did not accept a connection within the connect timeout: {exc}"
-            ) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamUnavailableError(f"the engine is unreachable: {exc.os_error}") from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            raise UpstreamUnavailableError(
-                f"the engine closed the connection before answering: {exc}"
-            ) from exc
+    def request_head(
+        self,
+        method: str,
+        path_qs: str,
+        headers: CIMultiDict[str],
+        *,
+        content_length: int | None,
+        chunked: bool,
+    ) -> bytes:
+        """The request line and headers as they go on the wire: the path as the client sent
+        it (re-encoding could change what the engine routes on), `Host` naming the engine."""
+        lines = [f"{method} {self._base_path}{path_qs} HTTP/1.1", f"Host: {self._host_header}"]
+        lines.extend(f"{name}: {value}" for name, value in headers.items())
+        if content_length is not None:
+            lines.append(f"Content-Length: {content_length}")
+        elif chunked:
+            lines.append("Transfer-Encoding: chunked")
+        lines.append("\r\n")
+        # aiohttp decodes header bytes as UTF-8 with surrogate escapes: this gives back exactly
+        # the bytes the client sent.
+        return "\r\n".join(lines).encode("utf-8", "surrogateescape")
 
     async def send_abort(self, call: AbortCall, timeout: float) -> int:
         """Send one abort call; return the engine's status. Raises on transport errors."""
-        async with self._session.request(
+        async with self._control_session.request(
             call.method,
             call.url,
             data=call.body,

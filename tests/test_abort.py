@@ -6,23 +6,40 @@ from __future__ import annotations
 import asyncio
 import json
 
-from proxy.fake_engine import AbortRoute, GenerationState
+from aiohttp import web
 
-from .conftest import leave_mid_stream
+from proxy.fake_engine import AbortRoute, FakeEngine, GenerationState
+from proxy.runner import TetherServer
+
+from .conftest import (
+    FakeEngineFactory,
+    TetherFactory,
+    UpstreamAppFactory,
+    drained,
+    leave_mid_stream,
+)
+from .support.canaries import CANARY_PROMPT, CANARY_SECRET
+from .support.metrics import metric
 
 
-async def _leave_mid_stream(server, engine) -> str:  # type: ignore[no-untyped-def]
+async def _leave_mid_stream(server: TetherServer, engine: FakeEngine) -> str:
     """Start a long stream, read a token, leave; return the internal ID once tether let go."""
     await leave_mid_stream(server)
     return list(engine.generations)[-1]  # the engine records requests in arrival order
 
 
-def _count(server, result: str) -> float:  # type: ignore[no-untyped-def]
-    engine = server.settings.engine.value
-    return server.context.metrics.aborts.labels(engine, result)._value.get()
+def _count(server: TetherServer, result: str) -> float:
+    return metric(
+        server.context.metrics.registry,
+        "tether_aborts_total",
+        engine=server.settings.engine.value,
+        result=result,
+    )
 
 
-async def test_abort_is_retried_while_the_engine_answers_503(fake_engine, tether) -> None:
+async def test_abort_is_retried_while_the_engine_answers_503(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """A busy engine (503) gets the abort again, with backoff, until it accepts it."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     engine.abort_failures = 2
@@ -31,11 +48,13 @@ async def test_abort_is_retried_while_the_engine_answers_503(fake_engine, tether
 
     await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
     assert [abort.status for abort in engine.aborts] == [503, 503, 200]
-    await server.context.aborts.drain()
-    assert _count(server, "ok") == 1
+    await drained(server)
+    assert _count(server, "confirmed") == 1
 
 
-async def test_abort_falls_back_to_the_scale_out_route(fake_engine, tether) -> None:
+async def test_abort_falls_back_to_the_scale_out_route(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """Without dev mode, vLLM's /inference/v1/abort_requests (--enable-scale-out) is used."""
     engine, engine_url = await fake_engine(abort_route=AbortRoute.SCALE_OUT, token_interval=0.01)
     server = await tether(engine_url)
@@ -48,7 +67,9 @@ async def test_abort_falls_back_to_the_scale_out_route(fake_engine, tether) -> N
     ]
 
 
-async def test_engine_without_abort_route_is_detected_once(fake_engine, tether) -> None:
+async def test_engine_without_abort_route_is_detected_once(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """A default `vllm serve` (404/403) is noticed, counted as not_supported, and not asked
     again for every request; the dropped connection still reaches the engine."""
     engine, engine_url = await fake_engine(
@@ -57,10 +78,10 @@ async def test_engine_without_abort_route_is_detected_once(fake_engine, tether) 
     server = await tether(engine_url)
     first = await _leave_mid_stream(server, engine)
     await engine.wait_for(lambda: engine.generation(first).state is GenerationState.ABORTED)
-    await server.context.aborts.drain()
+    await drained(server)
     second = await _leave_mid_stream(server, engine)
     await engine.wait_for(lambda: engine.generation(second).state is GenerationState.ABORTED)
-    await server.context.aborts.drain()
+    await drained(server)
 
     assert [(a.path, a.status) for a in engine.aborts] == [
         ("/abort_requests", 404),
@@ -70,63 +91,82 @@ async def test_engine_without_abort_route_is_detected_once(fake_engine, tether) 
     assert [request_id for request_id, _ in engine.disconnects] == [first, second]
 
 
-async def test_abort_attempts_stop_at_the_deadline(fake_engine, tether) -> None:
+async def test_abort_attempts_stop_at_the_deadline(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """An abort endpoint that hangs costs at most TETHER_ABORT_DEADLINE, then counts as failed."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     engine.abort_hangs = True
-    server = await tether(engine_url, abort_timeout=0.1, abort_deadline=0.3)
+    server = await tether(engine_url, abort_timeout=0.2, abort_deadline=0.5)
     await _leave_mid_stream(server, engine)
     await engine.wait_for(lambda: len(engine.aborts) >= 1)
     loop = asyncio.get_running_loop()
     first_attempt = loop.time()
 
-    await server.context.aborts.drain()
+    await drained(server)
 
-    assert loop.time() - first_attempt < 0.5
+    # Without the deadline the attempts against a hanging endpoint never end (drained() fails
+    # after 5 s); with it they end 0.5 s after the first: 2.5 s leaves a loaded machine room.
+    assert loop.time() - first_attempt < 2.5
     assert _count(server, "failed") == 1
+    # Two attempts fit: at 0 and at 0.25 s (0.2 s timeout each, 0.05 s backoff between).
     assert 1 <= len(engine.aborts) <= 3
 
 
-async def test_abort_is_repeated_once_shortly_after(fake_engine, tether) -> None:
-    """The abort goes out a second time, in case it overtook the request at the engine."""
+async def test_abort_is_repeated_once_when_the_response_goes_on(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """An abort can overtake its request at the engine (still being registered there): when
+    the response goes on past the repeat delay, the abort goes out once more, and the second
+    one's effect confirms it; an abort that worked at once is not repeated."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url, abort_repeat_delay=0.05)
-    internal_id = await _leave_mid_stream(server, engine)
-    await server.context.aborts.drain()
-    assert [a.ids for a in engine.aborts] == [(f"chatcmpl-{internal_id}",)] * 2
+    engine.ignore_aborts = 1
+    overtaken = await _leave_mid_stream(server, engine)
+    await drained(server)
+    assert [a.ids for a in engine.aborts] == [(f"chatcmpl-{overtaken}",)] * 2
+    assert engine.generation(overtaken).state is GenerationState.ABORTED
+    assert _count(server, "confirmed") == 1
+
+    stopped_at_once = await _leave_mid_stream(server, engine)
+    await drained(server)
+    assert [a.ids for a in engine.aborts[2:]] == [(f"chatcmpl-{stopped_at_once}",)]
 
 
-async def test_completions_route_aborts_with_the_cmpl_prefix(fake_engine, tether) -> None:
-    """vLLM keys /v1/completions as cmpl-<id>; the abort names exactly that."""
+async def test_completions_route_aborts_with_the_cmpl_prefix(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """vLLM runs each completion prompt as cmpl-<id>-<index> (a single one too); the abort
+    names exactly that (cmpl-<id> alone would match nothing)."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
     await leave_mid_stream(
         server,
         close="rst",
-        body={"prompt": "x", "stream": True, "max_tokens": 10_000},
+        body={"prompt": CANARY_PROMPT, "stream": True, "max_tokens": 10_000},
         path="/v1/completions",
     )
     await engine.wait_for(lambda: engine.aborted_ids() != set())
     [internal_id] = engine.aborted_ids()
-    assert engine.aborts[0].ids == (f"cmpl-{internal_id}",)
+    assert engine.aborts[0].ids == (f"cmpl-{internal_id}-0",)
 
 
-async def test_sglang_abort_names_the_rid(fake_engine, tether) -> None:
+async def test_sglang_abort_names_the_rid(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """SGLang gets POST /abort_request {"rid": <internal>} with the admin key."""
     engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG, token_interval=0.01)
-    server = await tether(engine_url, engine="sglang", upstream_admin_key="sekret")
+    server = await tether(engine_url, engine="sglang", upstream_admin_key=CANARY_SECRET)
     internal_id = await _leave_mid_stream(server, engine)
     await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
     assert engine.aborts[0].path == "/abort_request"
     assert engine.aborts[0].ids == (internal_id,)
 
 
-async def test_generic_engine_uses_the_configured_template(upstream_app, tether) -> None:
+async def test_generic_engine_uses_the_configured_template(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory
+) -> None:
     """TETHER_ENGINE=generic sends the configured method, URL and body template."""
-    from aiohttp import web
-
-    from proxy.fake_engine import FakeEngine
-
     engine = FakeEngine(token_interval=0.01)
     calls: list[tuple[str, bytes, str | None]] = []
 
@@ -142,18 +182,22 @@ async def test_generic_engine_uses_the_configured_template(upstream_app, tether)
         abort_url="/v1/requests/cancel",
         abort_method="DELETE",
         abort_body='{{"id": "{internal_request_id}"}}',
-        upstream_admin_key="k",
+        upstream_admin_key=CANARY_SECRET,
     )
     internal_id = await _leave_mid_stream(server, engine)
-    await server.context.aborts.drain()
-    assert calls == [("DELETE", json.dumps({"id": internal_id}).encode(), "Bearer k")]
+    await drained(server)
+    assert calls == [
+        ("DELETE", json.dumps({"id": internal_id}).encode(), f"Bearer {CANARY_SECRET}")
+    ]
 
 
-async def test_abort_never_sends_an_empty_list(fake_engine, tether) -> None:
+async def test_abort_never_sends_an_empty_list(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """vLLM's dev route aborts *everything* on an empty list: every call names one request."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
     for _ in range(3):
         await _leave_mid_stream(server, engine)
-    await server.context.aborts.drain()
+    await drained(server)
     assert engine.aborts and all(len(abort.ids) >= 1 for abort in engine.aborts)

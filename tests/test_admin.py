@@ -4,41 +4,57 @@ abort by ID behind a token."""
 from __future__ import annotations
 
 import asyncio
+import socket
+from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+import pytest
+from aiohttp import web
 
 from proxy.fake_engine import GenerationState
 
-from .conftest import admin_url, chat_body, leave_mid_stream, url
+from .conftest import (
+    FakeEngineFactory,
+    TetherFactory,
+    UpstreamAppFactory,
+    admin_url,
+    chat_body,
+    drained,
+    leave_mid_stream,
+    url,
+)
+from .support.canaries import CANARY_SECRET
+from .support.metrics import metric, metric_in_text
+from .support.waiting import poll_until
+
+ADMIN = {"Authorization": f"Bearer {CANARY_SECRET}"}
 
 
-async def _poll_status(http: aiohttp.ClientSession, target: str, status: int) -> dict:  # type: ignore[type-arg]
-    """Poll a probe until it answers `status` (probes are polled, like kubelet does)."""
-    async with asyncio.timeout(5):
-        while True:
-            async with http.get(target) as response:
-                if response.status == status:
-                    return await response.json()  # type: ignore[no-any-return]
-            await asyncio.sleep(0.02)
+async def _poll_status(http: aiohttp.ClientSession, target: str, status: int) -> Any:
+    """Poll a probe until it answers `status` (probes are polled, like kubelet does); return
+    its JSON body."""
+
+    async def answered() -> dict[str, Any] | None:
+        async with http.get(target) as response:
+            if response.status == status:
+                return {"body": await response.json()}
+            return None
+
+    return (await poll_until(answered, 5, interval=0.02, what=f"{target} to be {status}"))["body"]
 
 
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-async def test_healthz_answers_while_the_process_serves(fake_engine, tether, http) -> None:
+async def test_healthz_answers_while_the_process_serves(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Liveness does not depend on the engine."""
     server = await tether("http://127.0.0.1:9")
     async with http.get(admin_url(server, "/healthz")) as response:
         assert response.status == 200
 
 
-async def test_readyz_follows_the_engine_health(fake_engine, tether, http) -> None:
+async def test_readyz_follows_the_engine_health(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Ready while the engine's /health passes, 503 with a reason while it fails, and back."""
     engine, engine_url = await fake_engine()
     server = await tether(engine_url)
@@ -52,40 +68,50 @@ async def test_readyz_follows_the_engine_health(fake_engine, tether, http) -> No
     await _poll_status(http, admin_url(server, "/readyz"), 200)
 
 
-async def test_readyz_is_503_when_the_engine_is_unreachable(tether, http) -> None:
+async def test_readyz_is_503_when_the_engine_is_unreachable(
+    tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """No engine at all: not ready, and the reason says why."""
     server = await tether("http://127.0.0.1:9")
     body = await _poll_status(http, admin_url(server, "/readyz"), 503)
     assert "failed" in body["reason"]
 
 
-async def test_metrics_count_disconnects_and_aborts(fake_engine, tether, http) -> None:
-    """After a disconnect, /metrics shows it by phase, the abort by result and its latency."""
+async def test_metrics_count_disconnects_and_aborts(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """After a disconnect, /metrics shows it by phase, the abort by result, its latency, the
+    engine's stop time and the tokens relayed."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
     async with http.post(url(server), json=chat_body(max_tokens=3)) as response:
         await response.read()
     await leave_mid_stream(server)
     await engine.wait_for(lambda: engine.aborted_ids() != set())
-    await server.context.aborts.drain()
+    await drained(server)
 
     async with http.get(admin_url(server, "/metrics")) as response:
         assert response.headers["Content-Type"].startswith("text/plain")
-        samples = _samples(await response.text())
-    route = (("route", "/v1/chat/completions"), ("status_class", "2xx"))
-    assert samples[("tether_requests_total", route)] == 1
-    assert samples[("tether_requests_total", (route[0], ("status_class", "4xx")))] == 1  # 499
-    assert samples[("tether_client_disconnects_total", (("phase", "streaming"),))] == 1
-    assert samples[("tether_aborts_total", (("engine", "vllm"), ("result", "ok")))] == 1
-    assert samples[("tether_abort_latency_seconds_count", ())] == 1
-    assert samples[("tether_requests_in_flight", ())] == 0
-    assert samples[("tether_request_outcomes_total", (("outcome", "client_disconnected"),))] == 1
-    assert samples[("tether_sse_events_total", ())] >= 6
-    assert samples[("tether_response_bytes_total", ())] > 0
-    assert samples[("tether_time_to_first_byte_seconds_count", (route[:1]))] == 2
+        text = await response.text()
+    route = "/v1/chat/completions"
+    assert metric_in_text(text, "tether_requests_total", route=route, status_class="2xx") == 1
+    assert metric_in_text(text, "tether_requests_total", route=route, status_class="4xx") == 1
+    assert metric_in_text(text, "tether_client_disconnects_total", phase="streaming") == 1
+    assert metric_in_text(text, "tether_aborts_total", engine="vllm", result="confirmed") == 1
+    assert metric_in_text(text, "tether_abort_latency_seconds_count") == 1
+    assert metric_in_text(text, "tether_engine_stop_seconds_count") == 1
+    # The completed request's 3 tokens, and at least the one the leaving client read.
+    assert metric_in_text(text, "tether_tokens_relayed_total", route=route) >= 3 + 1
+    assert metric_in_text(text, "tether_requests_in_flight") == 0
+    assert metric_in_text(text, "tether_request_outcomes_total", outcome="client_disconnected") == 1
+    assert metric_in_text(text, "tether_sse_events_total") >= 6
+    assert metric_in_text(text, "tether_response_bytes_total") > 0
+    assert metric_in_text(text, "tether_time_to_first_byte_seconds_count", route=route) == 2
 
 
-async def test_metric_labels_stay_bounded(fake_engine, tether, http) -> None:
+async def test_metric_labels_stay_bounded(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Unknown paths are counted as route="other", never by their raw path."""
     _engine, engine_url = await fake_engine()
     server = await tether(engine_url)
@@ -98,7 +124,9 @@ async def test_metric_labels_stay_bounded(fake_engine, tether, http) -> None:
     assert 'tether_requests_total{route="other",status_class="4xx"} 5.0' in text
 
 
-async def test_in_flight_requests_are_listed(fake_engine, tether, http) -> None:
+async def test_in_flight_requests_are_listed(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """/admin/requests shows both IDs, method, path, phase, age and bytes of each request."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
@@ -121,7 +149,9 @@ async def test_in_flight_requests_are_listed(fake_engine, tether, http) -> None:
     assert listed["age_seconds"] >= 0 and listed["bytes_out"] > 0
 
 
-async def test_admin_abort_is_refused_without_a_configured_token(fake_engine, tether, http) -> None:
+async def test_admin_abort_is_refused_without_a_configured_token(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """With no TETHER_ADMIN_TOKEN, mutations answer 403 saying how to enable them."""
     server = await tether("http://127.0.0.1:9")
     async with http.post(admin_url(server, "/admin/abort"), json={"request_id": "x"}) as r:
@@ -129,21 +159,29 @@ async def test_admin_abort_is_refused_without_a_configured_token(fake_engine, te
         assert "TETHER_ADMIN_TOKEN" in (await r.json())["error"]["message"]
 
 
-async def test_admin_abort_needs_the_right_token(fake_engine, tether, http) -> None:
+async def test_admin_abort_needs_the_right_token(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """A missing or wrong bearer token gets 401."""
-    server = await tether("http://127.0.0.1:9", admin_token="s3cret")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+    server = await tether("http://127.0.0.1:9", admin_token=CANARY_SECRET)
+    for headers in (
+        {},
+        {"Authorization": f"Bearer {CANARY_SECRET}-wrong"},
+        {"Authorization": CANARY_SECRET},  # no "Bearer"
+    ):
         async with http.post(
             admin_url(server, "/admin/abort"), json={"request_id": "x"}, headers=headers
         ) as response:
             assert response.status == 401
 
 
-async def test_admin_abort_by_client_id_aborts_every_match(fake_engine, tether, http) -> None:
+async def test_admin_abort_by_client_id_aborts_every_match(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Every in-flight request with that client ID is cut and aborted upstream, exactly as on
     a disconnect; the answer lists the internal IDs."""
     engine, engine_url = await fake_engine(token_interval=0.01)
-    server = await tether(engine_url, admin_token="s3cret")
+    server = await tether(engine_url, admin_token=CANARY_SECRET)
     streams = [
         await http.post(
             url(server), json=chat_body(max_tokens=10_000), headers={"X-Request-Id": "runaway"}
@@ -156,28 +194,28 @@ async def test_admin_abort_by_client_id_aborts_every_match(fake_engine, tether, 
     async with http.post(
         admin_url(server, "/admin/abort"),
         json={"request_id": "runaway"},
-        headers={"Authorization": "Bearer s3cret"},
+        headers=ADMIN,
     ) as response:
         assert response.status == 200
         aborted = (await response.json())["aborted"]
 
     assert sorted(aborted) == sorted(engine.generations)
     for stream in streams:
-        try:
+        with pytest.raises(aiohttp.ClientPayloadError):  # cut, not ended
             await stream.read()
-            raise AssertionError("the stream should have been cut")
-        except aiohttp.ClientPayloadError:
-            pass
     await engine.wait_for(lambda: engine.aborted_ids() == set(aborted))
-    await server.context.aborts.drain()
-    assert server.context.metrics.outcomes.labels("admin_aborted")._value.get() == 2
-    assert server.context.metrics.client_disconnects.labels("streaming")._value.get() == 0
+    await drained(server)
+    registry = server.context.metrics.registry
+    assert metric(registry, "tether_request_outcomes_total", outcome="admin_aborted") == 2
+    assert metric(registry, "tether_client_disconnects_total", phase="streaming") == 0
 
 
-async def test_admin_abort_by_internal_id(fake_engine, tether, http) -> None:
+async def test_admin_abort_by_internal_id(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """The internal ID from the logs works as well."""
     engine, engine_url = await fake_engine(token_interval=0.01)
-    server = await tether(engine_url, admin_token="s3cret")
+    server = await tether(engine_url, admin_token=CANARY_SECRET)
     stream = await http.post(url(server), json=chat_body(max_tokens=10_000))
     await stream.content.readuntil(b"tok0")
     [internal_id] = engine.generations
@@ -185,43 +223,49 @@ async def test_admin_abort_by_internal_id(fake_engine, tether, http) -> None:
     async with http.post(
         admin_url(server, "/admin/abort"),
         json={"request_id": internal_id},
-        headers={"Authorization": "Bearer s3cret"},
+        headers=ADMIN,
     ) as response:
         assert (await response.json())["aborted"] == [internal_id]
     await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
     stream.close()
 
 
-async def test_admin_abort_of_an_unknown_id_aborts_nothing(tether, http) -> None:
+async def test_admin_abort_of_an_unknown_id_aborts_nothing(
+    tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """An ID with nothing in flight is answered with an empty list."""
-    server = await tether("http://127.0.0.1:9", admin_token="t")
+    server = await tether("http://127.0.0.1:9", admin_token=CANARY_SECRET)
     async with http.post(
         admin_url(server, "/admin/abort"),
         json={"request_id": "nope"},
-        headers={"Authorization": "Bearer t"},
+        headers=ADMIN,
     ) as response:
-        assert (await response.json()) == {"request_id": "nope", "aborted": []}
-    async with http.post(
-        admin_url(server, "/admin/abort"), data=b"{", headers={"Authorization": "Bearer t"}
-    ) as response:
+        answer = await response.json()
+    assert (answer["request_id"], answer["scope"], answer["aborted"]) == ("nope", "local", [])
+    assert answer["replica"] == socket.gethostname() and len(answer["instance"]) == 16
+    async with http.post(admin_url(server, "/admin/abort"), data=b"{", headers=ADMIN) as response:
         assert response.status == 400
 
 
-async def test_admin_api_is_not_on_the_client_port(fake_engine, tether, http) -> None:
+async def test_admin_api_is_not_on_the_client_port(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """The client port forwards everything to the engine; tether's own endpoints are not there."""
     _engine, engine_url = await fake_engine()
-    server = await tether(engine_url, admin_token="t")
+    server = await tether(engine_url, admin_token=CANARY_SECRET)
     async with http.post(
-        url(server, "/admin/abort"), json={"request_id": "x"}, headers={"Authorization": "Bearer t"}
+        url(server, "/admin/abort"), json={"request_id": "x"}, headers=ADMIN
     ) as response:
         assert response.status == 404  # the engine's answer
 
 
-async def test_admin_abort_before_the_first_byte_answers_503(fake_engine, tether, http) -> None:
+async def test_admin_abort_before_the_first_byte_answers_503(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """A request still in prefill when an operator aborts it gets a 503 JSON error saying so,
     and the engine is aborted."""
     engine, engine_url = await fake_engine()
-    server = await tether(engine_url, admin_token="t")
+    server = await tether(engine_url, admin_token=CANARY_SECRET)
     pending = asyncio.ensure_future(
         http.post(
             url(server),
@@ -234,7 +278,7 @@ async def test_admin_abort_before_the_first_byte_answers_503(fake_engine, tether
     async with http.post(
         admin_url(server, "/admin/abort"),
         json={"request_id": "queued"},
-        headers={"Authorization": "Bearer t"},
+        headers=ADMIN,
     ) as response:
         assert len((await response.json())["aborted"]) == 1
 
@@ -247,11 +291,9 @@ async def test_admin_abort_before_the_first_byte_answers_503(fake_engine, tether
 
 
 async def test_one_failed_health_check_does_not_withdraw_readiness(
-    upstream_app, tether, http
+    upstream_app: UpstreamAppFactory, tether: TetherFactory, http: aiohttp.ClientSession
 ) -> None:
     """A busy engine missing one check stays ready; two failures in a row withdraw it."""
-    from aiohttp import web
-
     answers = iter([200, 503, 200, 503, 503] + [503] * 1000)
     seen = asyncio.Event()
     statuses: list[int] = []

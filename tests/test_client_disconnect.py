@@ -5,21 +5,42 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from proxy.fake_engine import AbortRoute, GenerationState
+from proxy.fake_engine import AbortRoute, FakeEngine, GenerationState
 from proxy.registry import Phase
+from proxy.runner import TetherServer
 
-from .conftest import RawClient, chat_body
+from .conftest import (
+    FakeEngineFactory,
+    TetherFactory,
+    UpstreamAppFactory,
+    chat_body,
+    drained,
+    settled,
+    url,
+)
+from .support.canaries import canary_bytes
+from .support.metrics import metric
+from .support.raw_http import RawClient
+from .support.waiting import poll_until
 
 
-async def _one_generation(engine) -> str:  # type: ignore[no-untyped-def]
+def _disconnects(server: TetherServer, phase: str) -> float:
+    return metric(server.context.metrics.registry, "tether_client_disconnects_total", phase=phase)
+
+
+async def _one_generation(engine: FakeEngine) -> str:
     await engine.wait_for(lambda: len(engine.generations) == 1)
     return next(iter(engine.generations))
 
 
 @pytest.mark.parametrize("close", ["fin", "rst"])
-async def test_disconnect_mid_stream_aborts_the_generation(fake_engine, tether, close) -> None:
+async def test_disconnect_mid_stream_aborts_the_generation(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, close: str
+) -> None:
     """Leaving after the first tokens stops the engine, which would otherwise go on."""
     engine, engine_url = await fake_engine(token_interval=0.01, max_tokens=10_000)
     server = await tether(engine_url)
@@ -28,16 +49,18 @@ async def test_disconnect_mid_stream_aborts_the_generation(fake_engine, tether, 
     await client.read_until(b"tok1")
     internal_id = await _one_generation(engine)
 
-    client.close_fin() if close == "fin" else client.close_rst()
+    client.close(close)
 
     await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
     assert engine.aborts[0].ids == (f"chatcmpl-{internal_id}",)
-    await server.context.aborts.drain()
-    assert server.context.metrics.client_disconnects.labels("streaming")._value.get() == 1
+    await drained(server)
+    assert _disconnects(server, "streaming") == 1
 
 
 @pytest.mark.parametrize("close", ["fin", "rst"])
-async def test_disconnect_before_first_token_aborts(fake_engine, tether, close) -> None:
+async def test_disconnect_before_first_token_aborts(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, close: str
+) -> None:
     """Leaving while the engine is still in prefill (no byte yet) is noticed at once."""
     engine, engine_url = await fake_engine()
     server = await tether(engine_url)
@@ -46,13 +69,15 @@ async def test_disconnect_before_first_token_aborts(fake_engine, tether, close) 
     internal_id = await _one_generation(engine)
     assert server.context.registry.find(internal_id)[0].phase is Phase.WAITING
 
-    client.close_fin() if close == "fin" else client.close_rst()
+    client.close(close)
 
     await engine.wait_for(lambda: engine.generation(internal_id).state is GenerationState.ABORTED)
     assert engine.generation(internal_id).produced == 0
 
 
-async def test_disconnect_during_non_streaming_generation_aborts(fake_engine, tether) -> None:
+async def test_disconnect_during_non_streaming_generation_aborts(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """A non-streaming request whose client leaves mid-generation is aborted too."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
@@ -67,19 +92,23 @@ async def test_disconnect_during_non_streaming_generation_aborts(fake_engine, te
     assert engine.generation(internal_id).produced < 10_000
 
 
-async def test_disconnect_while_streaming_a_body_upstream_aborts(upstream_app, tether) -> None:
-    """A body that streams through (not JSON) reached the engine before the client left:
-    the engine is told to abort it."""
-    from aiohttp import web
-
-    from proxy.fake_engine import FakeEngine
-
+async def test_disconnect_while_streaming_a_body_drops_the_engines_connection(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory
+) -> None:
+    """A body that streams through (an upload) reached the engine before the client left:
+    the engine's connection is dropped mid-body, so it never gets a whole request and starts
+    no work; no abort call is needed for what never started."""
     engine = FakeEngine()
     received_head = asyncio.Event()
+    upload_cut = asyncio.Event()
 
     async def upload(request: web.Request) -> web.Response:
         received_head.set()
-        await request.read()
+        try:
+            await request.read()
+        except (asyncio.CancelledError, ConnectionError):
+            upload_cut.set()
+            raise
         return web.Response(text="done")
 
     engine.app.router.add_post("/v1/audio/transcriptions", upload)
@@ -87,7 +116,7 @@ async def test_disconnect_while_streaming_a_body_upstream_aborts(upstream_app, t
     server = await tether(engine_url)
     client = await RawClient.connect(server.port)
     await client.send_request(
-        b"x" * 100_000,
+        canary_bytes(100_000),
         path="/v1/audio/transcriptions",
         content_type="application/octet-stream",
         body_bytes_now=1000,
@@ -98,16 +127,18 @@ async def test_disconnect_while_streaming_a_body_upstream_aborts(upstream_app, t
 
     client.close_fin()
 
-    await engine.wait_for(lambda: len(engine.aborts) == 1)
-    assert engine.aborts[0].ids == (
-        f"chatcmpl-{state.internal_request_id}",
-        f"cmpl-{state.internal_request_id}",
+    await asyncio.wait_for(upload_cut.wait(), 5)
+    await drained(server)
+    assert engine.aborts == []
+    assert _disconnects(server, "body") == 1
+    registry = server.context.metrics.registry
+    assert (
+        metric(registry, "tether_upstream_cancellations_total", reason="client_disconnected") == 1
     )
-    assert server.context.metrics.client_disconnects.labels("body")._value.get() == 1
 
 
 async def test_disconnect_while_sending_a_json_body_never_reaches_the_engine(
-    fake_engine, tether
+    fake_engine: FakeEngineFactory, tether: TetherFactory
 ) -> None:
     """A JSON body is read whole first (tether writes its ID into it): a client that leaves
     half-way leaves nothing upstream to abort."""
@@ -115,17 +146,20 @@ async def test_disconnect_while_sending_a_json_body_never_reaches_the_engine(
     server = await tether(engine_url)
     client = await RawClient.connect(server.port)
     await client.send_request(chat_body(), body_bytes_now=10)
-    await _wait_registered(server)
+    # tether has no event for "a request arrived": poll its registry.
+    await poll_until(lambda: len(server.context.registry) == 1, 5, what="the request registered")
 
     client.close_fin()
 
-    await _wait_registry_empty(server)
+    await settled(server)
     assert engine.requests == []
     assert engine.aborts == []
-    assert server.context.metrics.client_disconnects.labels("body")._value.get() == 1
+    assert _disconnects(server, "body") == 1
 
 
-async def test_engine_without_abort_api_still_sees_the_connection_drop(fake_engine, tether) -> None:
+async def test_engine_without_abort_api_still_sees_the_connection_drop(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """With TETHER_ENGINE=none the dropped upstream connection is the abort."""
     engine, engine_url = await fake_engine(
         hears_disconnects=True, token_interval=0.01, abort_route=AbortRoute.NONE
@@ -143,28 +177,16 @@ async def test_engine_without_abort_api_still_sees_the_connection_drop(fake_engi
     assert engine.aborts == []
 
 
-async def test_completed_request_is_never_aborted(fake_engine, tether, http) -> None:
+async def test_completed_request_is_never_aborted(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """A request that ran to the end is not aborted, even if the client closes right after."""
     engine, engine_url = await fake_engine(max_tokens=3)
     server = await tether(engine_url)
-    async with http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions", json=chat_body(max_tokens=3)
-    ) as response:
+    async with http.post(url(server), json=chat_body(max_tokens=3)) as response:
         text = await response.text()
     assert text.endswith("data: [DONE]\n\n")
-    await _wait_registry_empty(server)
-    await server.context.aborts.drain()
+    await settled(server)
+    await drained(server)
     assert engine.aborts == []
     assert all(g.state is GenerationState.COMPLETED for g in engine.generations.values())
-
-
-async def _wait_registered(server) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(5):
-        # tether has no event for "a request arrived"; poll it within the deadline.
-        while len(server.context.registry) == 0:  # noqa: ASYNC110
-            await asyncio.sleep(0.005)
-
-
-async def _wait_registry_empty(server) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(5):
-        await server.context.registry.wait_empty()

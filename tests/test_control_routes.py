@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 from yarl import URL
 
 from proxy.routes import is_blocked, normalised_path
 from proxy.settings import DEFAULT_BLOCKED_PATHS
 
-from .conftest import url
+from .conftest import FakeEngineFactory, TetherFactory, chat_body, url
+from .support.canaries import CANARY_PROMPT
+from .support.raw_http import RawClient, request_head
 
 SPELLINGS = [
     "/abort_requests",
@@ -67,7 +70,7 @@ def test_normalisation_is_stable() -> None:
     ],
 )
 async def test_blocked_route_gets_403_json_and_never_reaches_the_engine(
-    fake_engine, tether, http, path: str
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession, path: str
 ) -> None:
     """A control route gets a 403 OpenAI-style error; the engine sees nothing."""
     engine, engine_url = await fake_engine()
@@ -82,35 +85,38 @@ async def test_blocked_route_gets_403_json_and_never_reaches_the_engine(
     assert engine.aborts == [] and engine.requests == []
 
 
-async def test_block_list_is_configurable(fake_engine, tether, http) -> None:
+async def test_block_list_is_configurable(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """TETHER_BLOCKED_PATHS replaces the built-in list."""
     _engine, engine_url = await fake_engine(max_tokens=1)
     server = await tether(engine_url, blocked_paths="/v1/completions, /secret")
-    async with http.post(url(server, "/v1/completions"), json={"prompt": "x"}) as response:
+    async with http.post(
+        url(server, "/v1/completions"), json={"prompt": CANARY_PROMPT}
+    ) as response:
         assert response.status == 403
     async with http.post(
-        url(server, "/v1/chat/completions"), json={"stream": False, "max_tokens": 1}
+        url(server, "/v1/chat/completions"), json=chat_body(stream=False, max_tokens=1)
     ) as response:
         assert response.status == 200
 
 
-async def test_absolute_form_targets_are_checked_and_forwarded_by_path(fake_engine, tether) -> None:
+async def test_absolute_form_targets_are_checked_and_forwarded_by_path(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
     """`POST http://host/abort_requests` (proxy-style target) is refused like the path alone;
     other absolute-form targets reach the engine as their path."""
-    import asyncio
-
     engine, engine_url = await fake_engine()
     server = await tether(engine_url)
     answers = []
     for target in ("http://engine/abort_requests", "http://engine/echo/x?y=1"):
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(
-            f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-            "Connection: close\r\n\r\n{}".encode()
-        )
-        answers.append(await asyncio.wait_for(reader.read(), 5))
-        writer.close()
-    assert answers[0].startswith(b"HTTP/1.1 403")
-    assert answers[1].startswith(b"HTTP/1.1 200")
+        client = await RawClient.connect(server.port)
+        headers = [("Content-Length", "2"), ("Connection", "close")]
+        await client.send(request_head(target, headers=headers) + b"{}")
+        reply = await client.read_reply()
+        answers.append((reply.version, reply.status))
+        await client.expect_closed()
+        client.close_fin()
+    assert answers == [("HTTP/1.1", 403), ("HTTP/1.1", 200)]
     assert [request.path for request in engine.requests] == ["/echo/x?y=1"]
     assert engine.aborts == []

@@ -3,37 +3,34 @@ per disconnect and per abort."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import signal
 
 import aiohttp
 
-from .conftest import RawClient, chat_body
-from .test_shutdown import _start_tether
+from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
+from .support.raw_http import RawClient
 
 
-async def test_every_line_is_json_and_requests_are_summarised(fake_engine) -> None:
+async def test_every_line_is_json_and_requests_are_summarised(
+    fake_engine: FakeEngineFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+) -> None:
     """A completed request and an abandoned one produce the documented events and fields."""
     engine, engine_url = await fake_engine(token_interval=0.01)
-    process, port, _ = await _start_tether(engine_url, TETHER_LOG_FORMAT="json")
-    async with aiohttp.ClientSession() as session:
-        async with session.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
-            json=chat_body(max_tokens=2),
-            headers={"X-Request-Id": "done-1"},
-        ) as response:
-            await response.read()
-    client = await RawClient.connect(port)
+    process = await tether_process(engine_url, TETHER_LOG_FORMAT="json")
+    async with http.post(
+        process.url(), json=chat_body(max_tokens=2), headers={"X-Request-Id": "done-1"}
+    ) as response:
+        await response.read()
+    client = await RawClient.connect(process.port)
     await client.send_request(chat_body(max_tokens=10_000), headers={"X-Request-Id": "gone-1"})
     await client.read_until(b"tok0")
     client.close_rst()
     await engine.wait_for(lambda: engine.aborted_ids() != set())
-    process.send_signal(signal.SIGTERM)
-    assert await asyncio.wait_for(process.wait(), 10) == 0
+    assert await process.stop() == 0
 
-    lines = (await process.stdout.read()).decode().splitlines()  # type: ignore[union-attr]
-    events = [json.loads(line) for line in lines]  # every line parses
+    events = [json.loads(line) for line in process.output().splitlines()]  # every line parses
     finished = {e["client_request_id"]: e for e in events if e["event"] == "request_finished"}
     done, gone = finished["done-1"], finished["gone-1"]
     assert (done["status"], done["outcome"]) == (200, "completed")
@@ -46,5 +43,8 @@ async def test_every_line_is_json_and_requests_are_summarised(fake_engine) -> No
     assert disconnect["phase"] == "streaming"
     assert disconnect["internal_request_id"] == gone["internal_request_id"]
     [abort] = [e for e in events if e["event"] == "abort_sent"]
-    assert abort["result"] == "ok" and abort["attempts"] == 1 and abort["latency_ms"] >= 0
+    assert abort["result"] == "confirmed" and abort["attempts"] == 1 and abort["latency_ms"] >= 0
     assert abort["client_request_id"] == "gone-1"
+    assert abort["engine_request_ids"] == [f"chatcmpl-{gone['internal_request_id']}"]
+    assert abort["engine_stop_ms"] >= 0
+    assert isinstance(abort["tokens_after_disconnect"], int)

@@ -6,10 +6,12 @@ import asyncio
 import json
 import re
 
+import aiohttp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.fake_engine import AbortRoute
 from proxy.request_ids import (
     IdMapper,
     InvalidClientRequestId,
@@ -20,7 +22,8 @@ from proxy.request_ids import (
     write_request_id_fields,
 )
 
-from .conftest import chat_body, sse_ids, url
+from .conftest import FakeEngineFactory, TetherFactory, chat_body, settled, sse_ids, url
+from .support.canaries import CANARY_PROMPT
 
 # --- pure: minting, checking, rewriting -------------------------------------------------------
 
@@ -57,9 +60,10 @@ def test_visible_ascii_client_ids_up_to_256_are_accepted(value: str) -> None:
 
 def test_body_fields_are_set_and_others_kept() -> None:
     """Writing the ID into a JSON body replaces only that field."""
-    body = json.dumps({"request_id": "client", "stream": True, "text": "héllo"}).encode()
+    text = f"{CANARY_PROMPT} héllo"
+    body = json.dumps({"request_id": "client", "stream": True, "text": text}).encode()
     rewritten = json.loads(write_request_id_fields(body, {"request_id": "internal"}))
-    assert rewritten == {"request_id": "internal", "stream": True, "text": "héllo"}
+    assert rewritten == {"request_id": "internal", "stream": True, "text": text}
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe"])
@@ -117,7 +121,7 @@ def test_mapper_holds_back_nothing_at_an_event_boundary() -> None:
 
 
 async def test_duplicate_client_ids_are_distinct_upstream_and_mapped_back(
-    fake_engine, tether, http
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
 ) -> None:
     """Two in-flight requests with one client ID are two requests to the engine, and each
     client gets its own ID back in the header and in every event."""
@@ -140,7 +144,9 @@ async def test_duplicate_client_ids_are_distinct_upstream_and_mapped_back(
         assert ids and set(ids) == {"chatcmpl-dup"}
 
 
-async def test_client_without_an_id_gets_one(fake_engine, tether, http) -> None:
+async def test_client_without_an_id_gets_one(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """A request without X-Request-Id gets a generated ID, in the header and the body."""
     _, engine_url = await fake_engine(max_tokens=2)
     server = await tether(engine_url)
@@ -151,7 +157,7 @@ async def test_client_without_an_id_gets_one(fake_engine, tether, http) -> None:
 
 
 async def test_invalid_client_id_gets_a_400_and_never_reaches_the_engine(
-    fake_engine, tether, http
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
 ) -> None:
     """An oversized ID is refused with an OpenAI-style error naming the header."""
     engine, engine_url = await fake_engine()
@@ -164,7 +170,9 @@ async def test_invalid_client_id_gets_a_400_and_never_reaches_the_engine(
     assert engine.requests == []
 
 
-async def test_custom_client_header_name(fake_engine, tether, http) -> None:
+async def test_custom_client_header_name(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """TETHER_REQUEST_ID_HEADER names the header clients use; the engine still gets X-Request-Id."""
     engine, engine_url = await fake_engine(max_tokens=1)
     server = await tether(engine_url, request_id_header="X-Correlation-Id")
@@ -176,7 +184,9 @@ async def test_custom_client_header_name(fake_engine, tether, http) -> None:
     assert "X-Correlation-Id" not in engine.requests[0].headers
 
 
-async def test_vllm_body_request_id_is_replaced(fake_engine, tether, http) -> None:
+async def test_vllm_body_request_id_is_replaced(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """A client's `request_id` in the body cannot reach vLLM either."""
     engine, engine_url = await fake_engine(max_tokens=1)
     server = await tether(engine_url)
@@ -188,10 +198,10 @@ async def test_vllm_body_request_id_is_replaced(fake_engine, tether, http) -> No
     assert seen["request_id"] != "client-chosen"
 
 
-async def test_sglang_gets_the_internal_id_as_rid(fake_engine, tether, http) -> None:
+async def test_sglang_gets_the_internal_id_as_rid(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """For SGLang the internal ID goes into the body as `rid`, and comes back mapped."""
-    from proxy.fake_engine import AbortRoute
-
     engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG, max_tokens=2)
     server = await tether(engine_url, engine="sglang")
     async with http.post(url(server), json=chat_body(), headers={"X-Request-Id": "sg"}) as r:
@@ -201,19 +211,25 @@ async def test_sglang_gets_the_internal_id_as_rid(fake_engine, tether, http) -> 
     assert set(ids) == {"sg"}
 
 
-async def test_invalid_json_body_where_the_id_must_go_is_a_400(fake_engine, tether, http) -> None:
+async def test_invalid_json_body_where_the_id_must_go_is_a_400(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """SGLang needs the ID in the body: a body that is not JSON gets a clear 400."""
     engine, engine_url = await fake_engine()
     server = await tether(engine_url, engine="sglang")
     async with http.post(
-        url(server), data=b"{broken", headers={"Content-Type": "application/json"}
+        url(server),
+        data=b'{"prompt": "' + CANARY_PROMPT.encode() + b'" broken',
+        headers={"Content-Type": "application/json"},
     ) as response:
         assert response.status == 400
         assert (await response.json())["error"]["code"] == "invalid_request_body"
     assert engine.requests == []
 
 
-async def test_registry_tracks_in_flight_requests_by_client_id(fake_engine, tether, http) -> None:
+async def test_registry_tracks_in_flight_requests_by_client_id(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """While requests run, the registry maps the client ID to each internal ID; then empties."""
     engine, engine_url = await fake_engine(max_tokens=10_000, token_interval=0.01)
     server = await tether(engine_url)
@@ -233,6 +249,5 @@ async def test_registry_tracks_in_flight_requests_by_client_id(fake_engine, teth
 
     for response in responses:
         response.close()
-    async with asyncio.timeout(5):
-        await server.context.registry.wait_empty()
+    await settled(server)
     assert server.context.registry.find("tracked") == []

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from proxy.settings import DEFAULT_BLOCKED_PATHS, Engine, Settings
 
 from .conftest import make_settings
-
-
-def _run_tether(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-    return subprocess.run(
-        [sys.executable, "-m", "proxy", *args],
-        env={**clean, **env},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd="/",  # no stray .env
-    )
+from .support.canaries import CANARY_SECRET
+from .support.collected_log import CollectedLog
+from .support.processes import run_tether_cli
 
 
 @pytest.mark.parametrize(
@@ -31,6 +18,15 @@ def _run_tether(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         ({}, "TETHER_UPSTREAM_URL: is required"),
         ({"TETHER_UPSTREAM_URL": "localhost:8000"}, "TETHER_UPSTREAM_URL"),
         ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "eighty"}, "TETHER_PORT"),
+        (  # the message names the bad variable, not the secrets set beside it
+            {
+                "TETHER_UPSTREAM_URL": "http://x",
+                "TETHER_ADMIN_TOKEN": CANARY_SECRET,
+                "TETHER_UPSTREAM_ADMIN_KEY": CANARY_SECRET,
+                "TETHER_PORT": "eighty",
+            },
+            "TETHER_PORT",
+        ),
         ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "70000"}, "TETHER_PORT"),
         ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_ENGINE": "tgi"}, "TETHER_ENGINE"),
         (
@@ -54,16 +50,18 @@ def _run_tether(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         ),
     ],
 )
-def test_bad_setting_exits_2_naming_the_variable(env: dict[str, str], named: str) -> None:
+def test_bad_setting_exits_2_naming_the_variable(
+    collected_log: CollectedLog, env: dict[str, str], named: str
+) -> None:
     """tether refuses to start on a bad value and says which variable to fix."""
-    result = _run_tether(**env)
+    result = run_tether_cli(collected_log, env=env)
     assert result.returncode == 2
     assert named in result.stderr
 
 
-def test_help_lists_every_variable_with_its_default() -> None:
+def test_help_lists_every_variable_with_its_default(collected_log: CollectedLog) -> None:
     """`tether --help` documents every TETHER_* variable."""
-    result = _run_tether("--help")
+    result = run_tether_cli(collected_log, "--help")
     assert result.returncode == 0
     for name, _field in Settings.model_fields.items():
         assert f"TETHER_{name.upper()}" in result.stdout

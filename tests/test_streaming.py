@@ -13,7 +13,17 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from .conftest import RawClient, chat_body, sse_ids, url
+from .conftest import (
+    FakeEngineFactory,
+    TetherFactory,
+    UpstreamAppFactory,
+    chat_body,
+    settled,
+    sse_ids,
+    url,
+)
+from .support.metrics import metric
+from .support.raw_http import RawClient, parse_reply
 
 
 def _events(internal_id: str) -> list[bytes]:
@@ -27,7 +37,9 @@ def _events(internal_id: str) -> list[bytes]:
     ]
 
 
-async def test_sse_passes_byte_for_byte_apart_from_ids(upstream_app, tether, http) -> None:
+async def test_sse_passes_byte_for_byte_apart_from_ids(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Every byte of an SSE stream arrives unchanged, except the internal ID, which becomes the
     client's own in every event."""
     sent: list[bytes] = []
@@ -53,7 +65,7 @@ async def test_sse_passes_byte_for_byte_apart_from_ids(upstream_app, tether, htt
 
 
 async def test_each_event_reaches_the_client_before_the_next_is_produced(
-    upstream_app, tether
+    upstream_app: UpstreamAppFactory, tether: TetherFactory
 ) -> None:
     """No buffering: the engine sends event 2 only once the client has seen event 1."""
     client_saw_first = asyncio.Event()
@@ -72,35 +84,56 @@ async def test_each_event_reaches_the_client_before_the_next_is_produced(
     client = await RawClient.connect(server.port)
     await client.send_request(chat_body())
 
-    await client.read_until(b'{"n":1}\n\n')
+    first = await client.read_until(b'{"n":1}\n\n')  # the engine holds event 2 back till then
     client_saw_first.set()
-    assert b'{"n":2}' in await client.read_until(b'{"n":2}\n\n')
+    rest = await client.read_until(b"\r\n0\r\n\r\n")  # up to the terminating chunk
+
+    reply = await parse_reply(first + rest)
+    assert reply.status == 200
+    assert reply.body == b'data: {"n":1}\n\ndata: {"n":2}\n\n'  # both whole, then a clean end
     client.close_fin()
 
 
-async def test_id_split_across_chunks_is_still_mapped_back(upstream_app, tether, http) -> None:
-    """An internal ID cut in two by the network is replaced all the same."""
+async def test_id_split_across_chunks_is_still_mapped_back(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """An internal ID cut in two by the network is replaced all the same, wherever the cut."""
+    event_start, event_end = b'data: {"id":"chatcmpl-', b'"}\n\n'
+    cuts = (0, 1, 16, 31)  # bytes of the 32-character ID in tether's first read
+    client_saw_start = [asyncio.Event() for _ in cuts]
 
     async def stream(request: web.Request) -> web.StreamResponse:
         internal = request.headers["X-Request-Id"].encode()
-        event = b'data: {"id":"chatcmpl-' + internal + b'"}\n\n'
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        cut = event.index(internal) + 13
-        for part in (event[:cut], event[cut:], event[:5], event[5:]):
-            await response.write(part)
-            await asyncio.sleep(0.01)  # separate TCP segments, so separate reads upstream
+        for cut, seen in zip(cuts, client_saw_start, strict=True):
+            # One write is one read for tether (one send on loopback; it reads what arrived).
+            await response.write(event_start + internal[:cut])
+            # The client saw the event's start: tether has read the first part of the ID (and
+            # holds it back). Only now is the rest written, so the ID reaches tether split.
+            await asyncio.wait_for(seen.wait(), 5)
+            await response.write(internal[cut:] + event_end)
+        event = event_start + internal + event_end
+        await response.write(event[:5])  # and one event cut outside the ID, in "data:"
+        await asyncio.sleep(0.01)
+        await response.write(event[5:])
         return response
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", stream)
     server = await tether(await upstream_app(app))
     async with http.post(url(server), json=chat_body(), headers={"X-Request-Id": "split"}) as r:
-        text = await r.text()
-    assert sse_ids(text) == ["chatcmpl-split", "chatcmpl-split"]
+        received = b""
+        for seen in client_saw_start:
+            received += await r.content.readuntil(event_start)
+            seen.set()
+        received += await r.content.read()
+    assert sse_ids(received.decode()) == ["chatcmpl-split"] * (len(cuts) + 1)
 
 
-async def test_json_response_keeps_an_exact_content_length(fake_engine, tether, http) -> None:
+async def test_json_response_keeps_an_exact_content_length(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """A non-streaming JSON answer carries the client's ID and a Content-Length that matches."""
     _, engine_url = await fake_engine(max_tokens=3)
     server = await tether(engine_url)
@@ -113,7 +146,9 @@ async def test_json_response_keeps_an_exact_content_length(fake_engine, tether, 
     assert json.loads(body)["id"] == "chatcmpl-a-much-longer-id"
 
 
-async def test_other_bodies_pass_untouched_with_their_length(upstream_app, tether, http) -> None:
+async def test_other_bodies_pass_untouched_with_their_length(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Bodies that are neither JSON nor SSE are not rewritten, even if they hold the ID."""
 
     async def plain(request: web.Request) -> web.Response:
@@ -129,7 +164,9 @@ async def test_other_bodies_pass_untouched_with_their_length(upstream_app, tethe
     assert len(internal) == 32
 
 
-async def test_compressed_body_passes_through_untouched(upstream_app, tether) -> None:
+async def test_compressed_body_passes_through_untouched(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory
+) -> None:
     """A gzip body and its Content-Encoding reach the client exactly as the engine sent them."""
     compressed = gzip.compress(b'{"hello": "world"}')
 
@@ -142,13 +179,16 @@ async def test_compressed_body_passes_through_untouched(upstream_app, tether) ->
     app = web.Application()
     app.router.add_get("/zipped", zipped)
     server = await tether(await upstream_app(app))
-    async with aiohttp.ClientSession(auto_decompress=False) as session:
+    timeout = aiohttp.ClientTimeout(total=20)
+    async with aiohttp.ClientSession(auto_decompress=False, timeout=timeout) as session:
         async with session.get(url(server, "/zipped")) as response:
             assert response.headers["Content-Encoding"] == "gzip"
             assert await response.read() == compressed
 
 
-async def test_status_and_error_body_pass_through(upstream_app, tether, http) -> None:
+async def test_status_and_error_body_pass_through(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """An engine's own error answer reaches the client unchanged (but with the client's ID)."""
 
     async def refuse(request: web.Request) -> web.Response:
@@ -164,21 +204,25 @@ async def test_status_and_error_body_pass_through(upstream_app, tether, http) ->
         assert (await response.json())["error"]["message"] == "bad"
 
 
-async def test_engine_breaking_mid_stream_cuts_the_client_stream(fake_engine, tether) -> None:
+async def test_engine_breaking_mid_stream_cuts_the_client_stream(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """If the engine dies after the response started, the client's stream ends without its
     terminating chunk, so no client mistakes it for a complete answer."""
     _engine, engine_url = await fake_engine(token_interval=0.001, max_tokens=50)
     server = await tether(engine_url)
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url(server), json=chat_body(max_tokens=50, fail_after=3)) as r:
-            assert r.status == 200
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await r.read()
-    await server.context.registry.wait_empty()
-    assert server.context.metrics.outcomes.labels("upstream_failed")._value.get() == 1
+    async with http.post(url(server), json=chat_body(max_tokens=50, fail_after=3)) as r:
+        assert r.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await r.read()
+    await settled(server)
+    registry = server.context.metrics.registry
+    assert metric(registry, "tether_request_outcomes_total", outcome="upstream_failed") == 1
 
 
-async def test_query_string_and_method_reach_the_engine(fake_engine, tether, http) -> None:
+async def test_query_string_and_method_reach_the_engine(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Any method, path and query string is forwarded as sent."""
     _engine, engine_url = await fake_engine()
     server = await tether(engine_url)

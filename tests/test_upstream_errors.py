@@ -4,32 +4,33 @@ from __future__ import annotations
 
 import socket
 
-from .conftest import chat_body, url
+import aiohttp
+
+from .conftest import TetherFactory, chat_body, url
+from .support.metrics import metric
+from .support.net import free_port
 
 
-def _closed_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
-async def test_engine_down_is_a_502_json_error(tether, http) -> None:
+async def test_engine_down_is_a_502_json_error(
+    tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """Nothing listening upstream: 502 with an OpenAI-style body and the client's ID."""
-    server = await tether(f"http://127.0.0.1:{_closed_port()}")
+    server = await tether(f"http://127.0.0.1:{free_port()}")
     async with http.post(url(server), json=chat_body(), headers={"X-Request-Id": "r1"}) as r:
         assert r.status == 502
         assert r.headers["X-Request-Id"] == "r1"
         error = (await r.json())["error"]
     assert error["code"] == "upstream_unavailable"
     assert error["type"] == "upstream_error"
-    assert server.context.metrics.upstream_errors.labels("upstream_unavailable")._value.get() == 1
+    registry = server.context.metrics.registry
+    assert metric(registry, "tether_upstream_errors_total", kind="upstream_unavailable") == 1
     assert len(server.context.registry) == 0
     assert server.context.aborts.pending == 0  # nothing reached the engine: nothing to abort
 
 
-async def test_connect_timeout_is_a_504_json_error(tether, http) -> None:
+async def test_connect_timeout_is_a_504_json_error(
+    tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
     """An engine that never accepts the connection (full backlog) gets 504 after the timeout."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

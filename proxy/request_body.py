@@ -1,0 +1,145 @@
+"""The client's request body on its way to the engine: streamed through as it arrives, or read
+whole where tether must write its ID into the JSON (SGLang's `rid`, vLLM's body `request_id`,
+the Responses API's `request_id`). Either way a client that goes silent mid-body for
+TETHER_CLIENT_BODY_TIMEOUT seconds gets a 408, and `Expect: 100-continue` is answered only
+once tether's own checks have passed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+from multidict import istr
+
+from .engines import BodyField, Route
+from .errors import ClientBodyTimeoutError, InvalidRequestBodyError, RequestBodyTooLargeError
+from .request_ids import InvalidJsonBody, read_json_object, write_json_object
+from .upstream_protocol import RequestBody
+
+_CONTENT_TYPE = istr("Content-Type")
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingBody:
+    """What goes to the engine, and what tether learnt from the body on the way."""
+
+    body: RequestBody
+    rewritten: bool = False
+    # The client asked the engine to keep working after the connection closes (Responses
+    # API `"background": true`): such a request is never aborted on a disconnect.
+    background: bool = False
+    # How many requests the engine makes of it (the route's `fan_out` field).
+    items: int = 1
+
+    @property
+    def streamed(self) -> bool:
+        return self.body is not None and not isinstance(self.body, bytes)
+
+
+async def outgoing_body(
+    request: web.Request,
+    route: Route | None,
+    internal_request_id: str,
+    *,
+    max_json_body: int,
+    body_timeout: float,
+) -> OutgoingBody:
+    """The body to send upstream for `request` on `route`."""
+    if not request.body_exists:
+        return OutgoingBody(None)
+    fields = route.body_fields if route is not None else ()
+    if not (fields and _engine_reads_as_json(request)):
+        await _send_continue_if_asked(request)
+        return OutgoingBody(stream_body(request, body_timeout))
+    if request.content_length is not None and request.content_length > max_json_body:
+        raise RequestBodyTooLargeError(
+            f"the JSON body is {request.content_length} bytes; the limit is {max_json_body} "
+            "(TETHER_MAX_JSON_BODY)"
+        )
+    await _send_continue_if_asked(request)
+    body = await _read_whole(request, max_json_body, body_timeout)
+    assert route is not None
+    needed = [field for field in fields if field.always or _mentions(body, field)]
+    if not (needed or route.may_run_in_background or route.fan_out):
+        return OutgoingBody(body)
+    try:
+        document = read_json_object(body)
+    except InvalidJsonBody as exc:
+        raise InvalidRequestBodyError(str(exc)) from None
+    background = route.may_run_in_background and document.get("background") is True
+    items = _items(document.get(route.fan_out)) if route.fan_out else 1
+    if not needed:
+        return OutgoingBody(body, background=background, items=items)
+    for field in needed:
+        document[field.name] = field.value.format(id=internal_request_id)
+    return OutgoingBody(
+        write_json_object(document), rewritten=True, background=background, items=items
+    )
+
+
+def _items(value: object) -> int:
+    """How many separate prompts a `prompt`-like field holds: a string or a list of token IDs
+    is one, a list of those is one each."""
+    if isinstance(value, list) and value and not isinstance(value[0], int):
+        return len(value)
+    return 1
+
+
+async def stream_body(request: web.Request, timeout: float) -> AsyncIterator[bytes]:
+    while chunk := await _read_chunk(request, timeout):
+        yield chunk
+
+
+async def _read_whole(request: web.Request, limit: int, timeout: float) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await _read_chunk(request, timeout):
+        size += len(chunk)
+        if size > limit:
+            raise RequestBodyTooLargeError(
+                f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _read_chunk(request: web.Request, timeout: float) -> bytes:
+    """The next piece of the client's body (b"" at its end), bounded by the body timeout."""
+    content = request.content
+    if content.is_eof():  # all of it arrived already (most requests): nothing to wait for
+        return await content.readany()
+    try:
+        async with asyncio.timeout(timeout):
+            return await content.readany()
+    except TimeoutError:
+        raise ClientBodyTimeoutError(
+            f"the client sent no body data for TETHER_CLIENT_BODY_TIMEOUT={timeout}s"
+        ) from None
+
+
+def _mentions(body: bytes, field: BodyField) -> bool:
+    return b'"' + field.name.encode() + b'"' in body
+
+
+async def defer_continue(request: web.Request) -> None:
+    """aiohttp's `Expect: 100-continue` hook: say nothing yet; tether answers once its own
+    checks (route, request ID, body size) have passed, so a refused upload is never sent."""
+
+
+async def _send_continue_if_asked(request: web.Request) -> None:
+    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def _engine_reads_as_json(request: web.Request) -> bool:
+    """Whether the engine's HTTP layer (FastAPI for vLLM and SGLang) parses this body as JSON:
+    no Content-Type at all, application/json or application/*+json. Rewriting only bodies
+    labelled application/json would let a client's own `rid` through unlabelled."""
+    if _CONTENT_TYPE not in request.headers:
+        return True
+    media_type = request.content_type.lower()
+    return media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json")
+    )

@@ -1,0 +1,113 @@
+"""Pure token accounting on response bytes: how many tokens a response carried. No I/O.
+
+Engines say how many tokens they generated only in `usage` (OpenAI, Anthropic and Responses
+APIs) or SGLang's `meta_info`, and in a stream only where the client asked for it. Where they
+say it, that number is used. Otherwise a stream is counted by its token-carrying events: with
+vLLM's and SGLang's default stream settings each such event carries exactly one token (byte-level
+tokens can make its text empty, which is why events are counted, not characters).
+
+Counting runs on every chunk tether relays, so it is a handful of `bytes.count` calls per
+chunk (C loops over a few hundred bytes) and no JSON parsing; the reported number is read once,
+at the end, from the last bytes of the response.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class TokenShape(StrEnum):
+    """How a route's responses carry tokens."""
+
+    CHAT = "chat"  # OpenAI chat completions: one `delta` per token
+    COMPLETION = "completion"  # OpenAI completions: one `text` per token
+    MESSAGES = "messages"  # Anthropic messages: one `content_block_delta` per token
+    RESPONSES = "responses"  # OpenAI Responses API: one `*.delta` event per token
+    SGLANG_GENERATE = "sglang_generate"  # SGLang /generate: one `meta_info` event per token
+    NONE = "none"  # no generated tokens (embeddings, models, tokenize, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class _EventMarkers:
+    """Byte markers of token-carrying events: each `counted` occurrence is one event, each
+    `excluded` occurrence one event that matched `counted` but carries no token."""
+
+    counted: tuple[bytes, ...]
+    excluded: tuple[bytes, ...] = ()
+
+
+def _spellings(key: bytes, value: bytes) -> tuple[bytes, bytes]:
+    """`"key":value` as compact JSON (vLLM, SGLang) and as Python's default `json.dumps`."""
+    return (b'"' + key + b'":' + value, b'"' + key + b'": ' + value)
+
+
+# An aborted stream ends with one more event that names the abort and carries no token.
+_ABORT_FINISH = _spellings(b"finish_reason", b'"abort"')
+_MARKERS: dict[TokenShape, _EventMarkers] = {
+    # The first chat event only announces the assistant's role.
+    TokenShape.CHAT: _EventMarkers(
+        (b'"delta":',), (*_spellings(b"role", b'"assistant"'), *_ABORT_FINISH)
+    ),
+    TokenShape.COMPLETION: _EventMarkers((b'"text":',), _ABORT_FINISH),
+    TokenShape.MESSAGES: _EventMarkers(_spellings(b"type", b'"content_block_delta"')),
+    TokenShape.RESPONSES: _EventMarkers(
+        (
+            *_spellings(b"type", b'"response.output_text.delta"'),
+            *_spellings(b"type", b'"response.reasoning_text.delta"'),
+        )
+    ),
+    TokenShape.SGLANG_GENERATE: _EventMarkers((b'"meta_info":',)),
+    TokenShape.NONE: _EventMarkers(()),
+}
+
+# The engine's own count, wherever it reports one: `usage.completion_tokens` (OpenAI),
+# `usage.output_tokens` (Anthropic, Responses), `meta_info.completion_tokens` (SGLang). The
+# closing quote right before the colon keeps `completion_tokens_details` and escaped quotes
+# inside generated text from matching.
+_REPORTED = re.compile(rb'"(?:completion_tokens|output_tokens)":\s*(\d+)')
+_TAIL_BYTES = 2048
+
+
+class TokenCounter:
+    """Counts the tokens in one response's body, chunk by chunk, as it passes."""
+
+    __slots__ = ("_counted", "_excluded", "_tail", "_tail_size", "events")
+
+    def __init__(self, shape: TokenShape) -> None:
+        markers = _MARKERS[shape]
+        self._counted = markers.counted
+        self._excluded = markers.excluded
+        # The last chunks seen, at least _TAIL_BYTES of them: the engine's count sits at the
+        # very end of a JSON answer and in the last events of a stream (usage, then
+        # `[DONE]`), however the network cut them.
+        self._tail: list[bytes] = []
+        self._tail_size = 0
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> int:
+        """Count `chunk`; return how many token-carrying events it held."""
+        found = 0
+        for marker in self._counted:
+            found += chunk.count(marker)
+        if found:
+            for marker in self._excluded:
+                found -= chunk.count(marker)
+            self.events += found
+        tail = self._tail
+        tail.append(chunk)
+        self._tail_size += len(chunk)
+        while self._tail_size - len(tail[0]) >= _TAIL_BYTES:
+            self._tail_size -= len(tail.pop(0))
+        return found
+
+    def reported(self) -> int | None:
+        """The engine's own token count from the last bytes seen, if it reported one."""
+        matches = _REPORTED.findall(b"".join(self._tail))
+        return int(matches[-1]) if matches else None
+
+    def total(self) -> int:
+        """Tokens in the whole response: the engine's count where given, else the events."""
+        reported = self.reported()
+        return reported if reported is not None else self.events
