@@ -340,11 +340,6 @@ VALUES = {
     "kind": {"upstream_unavailable", "upstream_connect_timeout", "upstream_timeout",
              "upstream_broken", "upstream_protocol_error"},
 }
-# Being added to tether now (issue 14): tolerated while absent from /metrics, reported.
-PENDING = {"tether_engine_stop_seconds", "tether_tokens_relayed_total",
-           "tether_tokens_after_disconnect_total"}
-# Old label values on the way out: tolerated in the scrape, never in the dashboard or rules.
-LEGACY = {("result", "ok")}
 # Labels the scrape adds (ServiceMonitor / PodMonitor / static config), not tether.
 TARGET_LABELS = {"namespace", "job", "pod", "instance", "container", "service", "endpoint"}
 
@@ -373,10 +368,7 @@ for family, kind in types.items():
             exported[family + suffix] = family
 for family in CONTRACT:
     if family not in types:
-        (notes if family in PENDING else problems).append(
-            f"/metrics: {family} is not exported" + (" yet (pending, issue 14)" if family in PENDING else ""))
-    elif family in PENDING:
-        notes.append(f"/metrics: {family} is exported now: drop it from PENDING in this script")
+        problems.append(f"/metrics: {family} is not exported")
 for family in types:
     if family.startswith("tether_") and family not in CONTRACT:
         notes.append(f"/metrics: {family} is exported but not used by this check's metric reference")
@@ -385,8 +377,7 @@ for family, seen in labels_seen.items():
         problems.append(f"/metrics: {family} has labels {sorted(seen)}, the reference says {sorted(CONTRACT[family])}")
 for key, seen in values_seen.items():
     for value in seen - VALUES.get(key, seen):
-        (notes if (key, value) in LEGACY else problems).append(
-            f"/metrics: {key}={value!r} is not in the reference" + (" (legacy, going away)" if (key, value) in LEGACY else ""))
+        problems.append(f"/metrics: {key}={value!r} is not in the reference")
 print(f"/metrics: {len(types)} families; label values seen: "
       + "; ".join(f"{k}={sorted(v)}" for k, v in sorted(values_seen.items())))
 
@@ -444,7 +435,7 @@ def walk(node, where, scope):
             return
         family = exported.get(name) or next(
             (f for f in CONTRACT if name in (f, f + "_bucket", f + "_sum", f + "_count")), None)
-        if name not in exported and family not in PENDING:
+        if name not in exported:
             problems.append(f"{where}: {name} is not a metric tether exports")
         if family is None:
             return
