@@ -92,6 +92,7 @@ class ResponseRelay:
         if self.tokens_relayed is None:
             self.tokens_relayed = self.tokens.events if self._mode is _Mode.CLIENT else 0
         self._mode = _Mode.DISCARD
+        self._exchange.forbid_reuse()
         if self._drain is not None:
             self._drain.cancel()
             self._drain = None

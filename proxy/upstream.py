@@ -80,6 +80,11 @@ class UpstreamClient:
             await control_session.close()
             await health_session.close()
 
+    @property
+    def idle_connections(self) -> int:
+        """Pooled connections to the engine waiting for a request."""
+        return self._pool.idle_connections
+
     def exchange(self, method: str) -> UpstreamExchange:
         """A new exchange for one client request; `send` it with `request_head`."""
         return self._pool.exchange(head_only=method == "HEAD")

@@ -84,6 +84,7 @@ class UpstreamExchange:
         "_request",
         "_retried",
         "_sink",
+        "_reusable",
         "body_bytes",
         "client_gone",
         "complete",
@@ -110,6 +111,7 @@ class UpstreamExchange:
         self.error: TetherError | None = None
         self.complete = False
         self.client_gone = False
+        self._reusable = True
         self.sent = False  # the whole request reached the engine's socket
         self.body_bytes = 0
         self.first_body_at: float | None = None
@@ -243,6 +245,11 @@ class UpstreamExchange:
         if self._connection is not None:
             self._connection.resume_reading()
 
+    def forbid_reuse(self) -> None:
+        """Whatever happens now, the connection is closed at the end, never pooled: the
+        client left, and tether makes no exception to that rule."""
+        self._reusable = False
+
     def notify_client_gone(self) -> None:
         """The sink found the client gone: the handler's wait ends."""
         self.client_gone = True
@@ -294,7 +301,7 @@ class UpstreamExchange:
         if connection is not None:
             connection.exchange = None
             self._connection = None
-            if reusable and not self.client_gone:
+            if reusable and self._reusable:
                 self._pool.release(connection)
             else:
                 connection.close()

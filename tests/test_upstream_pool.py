@@ -1,0 +1,129 @@
+"""tether's keep-alive connections to the engine: reused while fresh, closed before the
+engine's own keep-alive would close them, never reused after a client left, and a request
+that met a connection the engine had just closed is sent once more on a new one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from proxy import upstream
+
+from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, url
+from .support.raw_http import RawClient
+
+CountingEngineFactory = Callable[..., Awaitable[tuple[str, list[int]]]]
+
+
+@pytest.fixture
+async def counting_engine() -> AsyncIterator[CountingEngineFactory]:
+    """A minimal engine that answers every request with a small JSON body; it records, per
+    connection, how many client requests (POSTs: tether's health checks are GETs on their own
+    connections) it served, and can drop the request that follows N answers on a
+    connection, closing it without a word (the race of an engine's keep-alive timeout firing
+    as a request arrives)."""
+    servers: list[asyncio.Server] = []
+
+    async def start(drop_after: int | None = None) -> tuple[str, list[int]]:
+        served: list[int] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            index: int | None = None
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    await reader.readexactly(length)
+                    if head.startswith(b"POST"):
+                        if index is None:
+                            index = len(served)
+                            served.append(0)
+                        if drop_after is not None and served[index] >= drop_after:
+                            break
+                        served[index] += 1
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 2\r\n\r\n{}"
+                    )
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", served
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_sequential_requests_share_one_connection(
+    counting_engine: CountingEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """Keep-alive: ten requests one after another use one connection to the engine."""
+    engine_url, served = await counting_engine()
+    server = await tether(engine_url)
+    for _ in range(10):
+        async with http.post(url(server), json=chat_body(stream=False)) as response:
+            assert response.status == 200
+    assert served == [10]
+
+
+async def test_idle_connections_are_closed_before_the_engines_keep_alive(
+    counting_engine: CountingEngineFactory,
+    tether: TetherFactory,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An idle pooled connection is closed after the pool's idle timeout (4 s in production,
+    below uvicorn's 5 s; 0.2 s here): the next request opens a new one."""
+    monkeypatch.setattr(upstream, "UPSTREAM_KEEPALIVE_SECONDS", 0.2)
+    engine_url, served = await counting_engine()
+    server = await tether(engine_url)
+    async with http.post(url(server), json=chat_body(stream=False)) as response:
+        assert response.status == 200
+    await asyncio.sleep(0.5)  # idle for longer than the pool keeps connections
+    async with http.post(url(server), json=chat_body(stream=False)) as response:
+        assert response.status == 200
+    assert served == [1, 1]
+
+
+async def test_a_connection_the_engine_closed_unannounced_is_retried_once(
+    counting_engine: CountingEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """The engine closes a connection, without an answer, when a second request arrives on
+    it: tether sends that request again on a new connection; the client never sees it."""
+    engine_url, served = await counting_engine(drop_after=1)
+    server = await tether(engine_url)
+    for _ in range(3):
+        async with http.post(url(server), json=chat_body(stream=False)) as response:
+            assert response.status == 200
+    assert served == [1, 1, 1]
+
+
+async def test_a_connection_is_never_reused_after_its_client_left(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """Even when the engine ended the aborted response cleanly, its connection is closed:
+    the next request gets a fresh one (the rule the engine's disconnect detection relies on)."""
+    _, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(max_tokens=100_000))
+    await client.read_until(b"tok0")
+    client.close_fin()
+    await settled(server)
+    await drained(server)
+    assert server.context.upstream.idle_connections == 0
+    async with http.post(url(server), json=chat_body(stream=False, max_tokens=1)) as response:
+        assert response.status == 200
+    assert server.context.upstream.idle_connections == 1
