@@ -348,11 +348,13 @@ class FakeEngine:
         """The stream's events: each token as soon as it is generated, finish_reason on the
         last one (`length`), or one more event naming the abort."""
         api = generation.api
+        item = await generation.tokens.get()  # like vLLM, the opening waits for prefill
         for event in self._opening(generation):
             yield event
-        while (item := await generation.tokens.get()) is not None:
+        while item is not None:
             token, last = item
             yield self._token_event(generation, token, "length" if last else None)
+            item = await generation.tokens.get()
         if generation.state is GenerationState.ABORTED:
             if api in (Api.CHAT, Api.COMPLETION, Api.GENERATE):
                 yield self._token_event(generation, "", "abort")
