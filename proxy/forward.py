@@ -147,7 +147,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
     span = ctx.tracer.start(request.method, state.route, request.headers) if ctx.tracer else None
     cycle = RequestCycle(state, ctx.engine.route(request.method, request.path), span)
     ctx.registry.add(state)
-    ctx.metrics.in_flight.inc()
+    ctx.metrics.in_flight.value += 1
     try:
         # 3. Forward and relay, bounded by the whole-request timeout when one is set.
         try:
@@ -198,7 +198,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         outcome = _outcome_of(error)
         _stop_upstream(ctx, cycle, outcome, ask_engine=outcome is Outcome.TIMED_OUT)
         if isinstance(error, UpstreamError):
-            ctx.metrics.upstream_errors.labels(error.code).inc()
+            ctx.metrics.upstream_errors.inc(error.code)
         return _answer_failure(request, ctx, cycle, outcome, error)
     except Exception as exc:
         # 4d. Anything else is a bug in tether. The client still gets an OpenAI-style answer
@@ -209,7 +209,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         return _answer_failure(request, ctx, cycle, Outcome.INTERNAL_ERROR, bug, exc)
     finally:
         ctx.registry.remove(state)
-        ctx.metrics.in_flight.dec()
+        ctx.metrics.in_flight.value -= 1
     # 5. Completed: the engine's answer, whatever its status, went to the client in full.
     _finish(ctx, cycle, Outcome.COMPLETED, response.status)
     return response
@@ -409,7 +409,7 @@ def _stop_upstream(
     """
     state = cycle.state
     if outcome is Outcome.CLIENT_DISCONNECTED:
-        ctx.metrics.client_disconnects.labels(state.phase.value).inc()
+        ctx.metrics.client_disconnects.inc(state.phase.value)
         log.info(
             "client_disconnected",
             phase=state.phase.value,
@@ -428,7 +428,7 @@ def _stop_upstream(
         cycle.relay = relay = ResponseRelay(upstream, TokenCounter(shape), None)
         upstream.attach(relay)
     if ask_engine and not upstream.ended:
-        ctx.metrics.upstream_cancels.labels(outcome.value).inc()
+        ctx.metrics.upstream_cancels.inc(outcome.value)
     if not ask_engine or not upstream.sent or upstream.ended:
         relay.discard()
         upstream.close()

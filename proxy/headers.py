@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
 
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
@@ -30,23 +30,35 @@ _CONTENT_LENGTH = istr("Content-Length")
 _X_FORWARDED_FOR = istr("X-Forwarded-For")
 _X_FORWARDED_PROTO = istr("X-Forwarded-Proto")
 _X_FORWARDED_HOST = istr("X-Forwarded-Host")
+_NONE: frozenset[str] = frozenset()
 
 
-def _connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+def _connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
     """Headers the sender declared hop-by-hop in `Connection` (RFC 9110 §7.6.1), lower-cased."""
-    named: set[str] = set()
     if "Connection" not in headers:
-        return named
+        return _NONE
+    named: set[str] = set()
     for value in headers.getall("Connection", ()):
         named.update(token.strip().lower() for token in value.split(",") if token.strip())
-    return named
+    return frozenset(named)
 
 
 def _end_to_end(
-    headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: Iterable[str]
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: tuple[str, ...]
 ) -> CIMultiDict[str]:
-    drop = HOP_BY_HOP | _connection_named(headers) | {name.lower() for name in also_drop}
-    return CIMultiDict((name, value) for name, value in headers.items() if name.lower() not in drop)
+    """A copy of `headers` without hop-by-hop ones, those named in `Connection` and
+    `also_drop` (copy, then remove: a few lookups in C instead of a pass in Python)."""
+    result = CIMultiDict(headers)
+    for name in _dropped(also_drop) | _connection_named(headers):
+        if name in result:
+            result.popall(name)
+    return result
+
+
+@functools.lru_cache(maxsize=64)
+def _dropped(also_drop: tuple[str, ...]) -> frozenset[str]:
+    """The headers never passed on, for one set of extra names (a handful per process)."""
+    return HOP_BY_HOP | {name.lower() for name in also_drop}
 
 
 def upstream_request_headers(
@@ -67,9 +79,9 @@ def upstream_request_headers(
     `Host` is left to the HTTP client so it names the upstream. A rewritten body has a new
     length.
     """
-    also_drop = [_HOST, _EXPECT, client_request_id_header, *id_headers]
+    also_drop = (_HOST, _EXPECT, client_request_id_header, *id_headers)
     if body_rewritten:
-        also_drop.append(_CONTENT_LENGTH)
+        also_drop += (_CONTENT_LENGTH,)
     result = _end_to_end(headers, also_drop)
     if peer:
         forwarded_for = headers.get(_X_FORWARDED_FOR)
@@ -95,9 +107,9 @@ def client_response_headers(
     Any request-ID header the engine echoed carries the internal ID; the client gets its own.
     A rewritten body changes length, so its `Content-Length` is set again by the caller.
     """
-    also_drop = [client_request_id_header, UPSTREAM_REQUEST_ID_HEADER]
+    also_drop: tuple[str, ...] = (client_request_id_header, UPSTREAM_REQUEST_ID_HEADER)
     if body_rewritten:
-        also_drop.append(_CONTENT_LENGTH)
+        also_drop += (_CONTENT_LENGTH,)
     result = _end_to_end(headers, also_drop)
     result[client_request_id_header] = client_request_id
     return result

@@ -47,5 +47,5 @@ class Readiness:
                     else:
                         log.warning("engine_not_ready", reason=problem)
                 self.engine_problem = problem
-                self._metrics.upstream_ready.set(1 if problem is None else 0)
+                self._metrics.upstream_ready.value = 1 if problem is None else 0
             await asyncio.sleep(self._interval)

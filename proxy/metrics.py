@@ -1,9 +1,24 @@
-"""Prometheus metrics, in a registry of the app's own (no process-global state)."""
+"""Prometheus metrics, in a registry of the app's own (no process-global state).
+
+tether counts in plain Python numbers, touched on every request (and some on every abort),
+and hands them to prometheus-client only when /metrics is scraped: its own metric objects
+take a lock and do label bookkeeping on every update, which cost more per request than the
+rest of the accounting together. tether runs on one event loop thread, so no lock is
+needed.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
+from bisect import bisect_left
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from .registry import Outcome
 
@@ -52,36 +67,104 @@ def route_label(path: str) -> str:
     return path if path in KNOWN_ROUTES else "other"
 
 
+class Counter:
+    """A counter with a fixed set of label names; its series by label values."""
+
+    __slots__ = ("documentation", "labelnames", "name", "values")
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        # Without labels the one series exists from the start (0, not absent).
+        self.values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        values = self.values
+        values[labels] = values.get(labels, 0.0) + amount
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.items():
+            family.add_metric(labels, value)
+        return family
+
+
+class Gauge:
+    __slots__ = ("documentation", "name", "value")
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.value = 0.0
+
+    def family(self) -> Metric:
+        return GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+
+class Histogram:
+    """A histogram with fixed buckets; each series is its per-bucket counts and sum."""
+
+    __slots__ = ("_bounds", "documentation", "labelnames", "name", "series")
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: tuple[float, ...],
+        labelnames: tuple[str, ...] = (),
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self._bounds = buckets
+        # Per label values: a count per bucket (the last one is +Inf) and the sum. Without
+        # labels the one series exists from the start.
+        self.series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+        if not labelnames:
+            self.series[()] = ([0] * (len(buckets) + 1), [0.0])
+
+    def observe(self, value: float, *labels: str) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = ([0] * (len(self._bounds) + 1), [0.0])
+        series[0][bisect_left(self._bounds, value)] += 1
+        series[1][0] += value
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        bounds = [repr(float(bound)) for bound in self._bounds] + ["+Inf"]
+        for labels, (counts, total) in self.series.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric(labels, buckets, total[0])
+        return family
+
+
 class Metrics:
     """Every metric tether exports. One instance per app."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
         self.requests = Counter(
             "tether_requests",
             "Requests finished, by route and status class (499: client left).",
-            ["route", "status_class"],
-            registry=r,
+            ("route", "status_class"),
         )
         self.outcomes = Counter(
-            "tether_request_outcomes",
-            "Requests finished, by how they ended.",
-            ["outcome"],
-            registry=r,
+            "tether_request_outcomes", "Requests finished, by how they ended.", ("outcome",)
         )
-        self.in_flight = Gauge("tether_requests_in_flight", "Requests in flight.", registry=r)
+        self.in_flight = Gauge("tether_requests_in_flight", "Requests in flight.")
         self.client_disconnects = Counter(
             "tether_client_disconnects",
             "Clients that left before their response was complete, by phase.",
-            ["phase"],
-            registry=r,
+            ("phase",),
         )
         self.upstream_cancels = Counter(
             "tether_upstream_cancellations",
             "Upstream requests tether stopped (connection dropped), by reason.",
-            ["reason"],
-            registry=r,
+            ("reason",),
         )
         self.aborts = Counter(
             "tether_aborts",
@@ -91,78 +174,79 @@ class Metrics:
             "not_supported (no abort route; connection dropped), unknown_route (tether cannot "
             "name the engine's ID on this route; connection dropped), failed (the abort call "
             "failed; connection dropped).",
-            ["engine", "result"],
-            registry=r,
+            ("engine", "result"),
         )
         self.abort_latency = Histogram(
             "tether_abort_latency_seconds",
             "From the disconnect to the engine accepting the abort call.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
         self.engine_stop = Histogram(
             "tether_engine_stop_seconds",
             "From the disconnect to the end of the engine's response, for confirmed aborts.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
         self.tokens_relayed = Counter(
             "tether_tokens_relayed",
             "Completion tokens relayed to clients, by route: the engine's usage count where "
             "it reports one, else token-carrying stream events (one token each with vLLM's "
             "and SGLang's default stream settings).",
-            ["route"],
-            registry=r,
+            ("route",),
         )
         self.tokens_after_disconnect = Counter(
             "tether_tokens_after_disconnect",
             "Completion tokens the engine produced after the client left, up to the end of "
             "its response (aborts that the engine accepted; a non-streaming answer the client "
             "never received counts whole). Counted as tether_tokens_relayed_total is.",
-            ["route"],
-            registry=r,
+            ("route",),
         )
         self.upstream_errors = Counter(
-            "tether_upstream_errors",
-            "Upstream failures, by kind.",
-            ["kind"],
-            registry=r,
+            "tether_upstream_errors", "Upstream failures, by kind.", ("kind",)
         )
         self.duration = Histogram(
             "tether_request_duration_seconds",
             "Whole request duration, by route.",
-            ["route"],
-            buckets=_DURATION_BUCKETS,
-            registry=r,
+            _DURATION_BUCKETS,
+            ("route",),
         )
         self.time_to_first_byte = Histogram(
             "tether_time_to_first_byte_seconds",
             "From the request's arrival to the first response body byte from the engine.",
-            ["route"],
-            buckets=_DURATION_BUCKETS,
-            registry=r,
+            _DURATION_BUCKETS,
+            ("route",),
         )
         self.bytes_streamed = Counter(
-            "tether_response_bytes", "Response body bytes sent to clients.", registry=r
+            "tether_response_bytes", "Response body bytes sent to clients."
         )
-        self.sse_events = Counter(
-            "tether_sse_events", "Server-sent events relayed to clients.", registry=r
-        )
+        self.sse_events = Counter("tether_sse_events", "Server-sent events relayed to clients.")
         self.upstream_ready = Gauge(
-            "tether_upstream_ready", "1 while the engine's health check passes.", registry=r
+            "tether_upstream_ready", "1 while the engine's health check passes."
         )
+        self._all: tuple[Counter | Gauge | Histogram, ...] = (
+            self.requests,
+            self.outcomes,
+            self.in_flight,
+            self.client_disconnects,
+            self.upstream_cancels,
+            self.aborts,
+            self.abort_latency,
+            self.engine_stop,
+            self.tokens_relayed,
+            self.tokens_after_disconnect,
+            self.upstream_errors,
+            self.duration,
+            self.time_to_first_byte,
+            self.bytes_streamed,
+            self.sse_events,
+            self.upstream_ready,
+        )
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
 
-        # Labelled children, looked up once per label set: `labels()` takes a lock and builds
-        # keys, and these are hit on every request. The label sets are bounded (KNOWN_ROUTES,
-        # status classes, outcomes).
-        self._children: dict[tuple[object, ...], MetricWrapperBase] = {}
-
-    def _child(self, metric: MetricWrapperBase, *labels: str) -> MetricWrapperBase:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+    def collect(self) -> Iterator[Metric]:
+        """prometheus-client's collector protocol: every family as it stands now."""
+        for metric in self._all:
+            yield metric.family()
 
     def record_request(
         self,
@@ -176,28 +260,27 @@ class Metrics:
     ) -> None:
         """Everything counted once per request tether forwarded."""
         self._count_ending(route, status, outcome)
-        self._child(self.duration, route).observe(duration)  # type: ignore[attr-defined]
+        self.duration.observe(duration, route)
         if bytes_out:
-            self.bytes_streamed.inc(bytes_out)
+            self.bytes_streamed.inc(amount=bytes_out)
         if sse_events:
-            self.sse_events.inc(sse_events)
+            self.sse_events.inc(amount=sse_events)
         if tokens:
-            self._child(self.tokens_relayed, route).inc(tokens)  # type: ignore[attr-defined]
-
-    def record_tokens_after_disconnect(self, route: str, tokens: int) -> None:
-        child = self._child(self.tokens_after_disconnect, route)
-        child.inc(tokens)  # type: ignore[attr-defined]
-
-    def count_abort(self, engine: str, result: str) -> None:
-        self._child(self.aborts, engine, result).inc()  # type: ignore[attr-defined]
+            self.tokens_relayed.inc(route, amount=tokens)
 
     def record_rejection(self, route: str, status: int) -> None:
         """A request refused before anything was forwarded (no duration to speak of)."""
         self._count_ending(route, status, Outcome.REJECTED.value)
 
+    def record_tokens_after_disconnect(self, route: str, tokens: int) -> None:
+        self.tokens_after_disconnect.inc(route, amount=tokens)
+
+    def count_abort(self, engine: str, result: str) -> None:
+        self.aborts.inc(engine, result)
+
     def _count_ending(self, route: str, status: int, outcome: str) -> None:
-        self._child(self.requests, route, f"{status // 100}xx").inc()  # type: ignore[attr-defined]
-        self._child(self.outcomes, outcome).inc()  # type: ignore[attr-defined]
+        self.requests.inc(route, f"{status // 100}xx")
+        self.outcomes.inc(outcome)
 
     def record_first_byte(self, route: str, seconds: float) -> None:
-        self._child(self.time_to_first_byte, route).observe(seconds)  # type: ignore[attr-defined]
+        self.time_to_first_byte.observe(seconds, route)

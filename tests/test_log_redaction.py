@@ -8,6 +8,7 @@ import json
 
 import aiohttp
 import pytest
+import structlog
 from aiohttp import web
 
 from proxy.fake_engine import AbortRoute
@@ -26,9 +27,16 @@ from .conftest import (
 from .support.canaries import CANARY_PROMPT, CANARY_SECRET, LEAK_MARKERS
 from .support.raw_http import RawClient, request_head
 
+REDACTOR = Redactor([CANARY_SECRET])
+
 
 def redact(**event: object) -> dict[str, object]:
-    return dict(Redactor([CANARY_SECRET])(None, "info", dict(event)))
+    """What a record's fields become, then its text, as production renders it."""
+    fields = REDACTOR(None, "info", dict(event))
+    rendered = REDACTOR.masking(structlog.processors.JSONRenderer())(None, "info", fields)
+    assert isinstance(rendered, str)
+    loaded: dict[str, object] = json.loads(rendered)
+    return loaded
 
 
 def test_credential_fields_are_masked_and_content_fields_dropped() -> None:
