@@ -147,6 +147,7 @@ class AbortTracker:
         upstream = request.upstream
         confirm_by = request.since + self._confirm_timeout
         sending = loop.create_task(self._send_first_supported(calls))
+        repeats = 0
         try:
             # The connection stays open only while the call can still confirm in time: past
             # the confirm timeout the engine gets the dropped connection whatever the call does.
@@ -157,7 +158,7 @@ class AbortTracker:
             answered = loop.time()
             if outcome is _CallResult.ACCEPTED:
                 self._metrics.abort_latency.observe(answered - request.since)
-                await self._wait_for_end(upstream, calls, answered, confirm_by)
+                repeats = await self._wait_for_end(upstream, calls, answered, confirm_by)
             ended_at = upstream.ended_at if upstream.ended else None
         finally:
             sending.cancel()
@@ -174,6 +175,7 @@ class AbortTracker:
             "engine_request_ids": list(request.engine_request_ids),
             "result": result.value,
             "attempts": attempts,
+            "repeats": repeats,
             "latency_ms": latency_ms,
             "detail": detail,
         }
@@ -230,21 +232,32 @@ class AbortTracker:
         calls: tuple[AbortCall, ...],
         answered: float,
         confirm_by: float,
-    ) -> None:
-        """Until the engine's response ends or the confirm timeout passes. An abort can
-        overtake the request it names (still being registered at the engine): if the response
-        goes on past the repeat delay, the call is sent once more."""
-        repeat_at = answered + self._repeat_delay if self._repeat_delay > 0 else confirm_by
-        if repeat_at >= confirm_by:
-            await _ended_by(upstream, confirm_by)
-            return
-        if await _ended_by(upstream, repeat_at):
-            return
-        repeat = asyncio.get_running_loop().create_task(self._send_first_supported(calls))
+    ) -> int:
+        """Until the engine's response ends or the confirm timeout passes; returns how often
+        the call was repeated.
+
+        An abort can overtake the request it names: vLLM registers a request a few
+        milliseconds after its HTTP server got it, and an abort arriving first matches
+        nothing (observed on 0.32, while tether kept the connection open to confirm). So
+        while the response goes on, the call goes out again, after TETHER_ABORT_REPEAT_DELAY
+        and then at doubling intervals, until the confirm timeout.
+        """
+        loop = asyncio.get_running_loop()
+        delay = self._repeat_delay
+        repeat_at = answered + delay if delay > 0 else confirm_by
+        repeats: list[asyncio.Task[tuple[_CallResult, int, str]]] = []
         try:
+            while repeat_at < confirm_by:
+                if await _ended_by(upstream, repeat_at):
+                    return len(repeats)
+                repeats.append(loop.create_task(self._send_first_supported(calls)))
+                delay *= 2
+                repeat_at += delay
             await _ended_by(upstream, confirm_by)
+            return len(repeats)
         finally:
-            repeat.cancel()
+            for repeat in repeats:
+                repeat.cancel()
 
     async def _finish_quietly(self, request: StopRequest) -> None:
         try:

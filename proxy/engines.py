@@ -25,7 +25,8 @@ _READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 @dataclass(frozen=True, slots=True)
 class BodyField:
-    """A top-level JSON field tether sets to carry its ID (`{id}` is tether's ID)."""
+    """A JSON field tether sets to carry its ID (`{id}` is tether's ID); a dotted name is a
+    field inside an object field (`parameters.rid`)."""
 
     name: str
     value: str = "{id}"
@@ -53,10 +54,17 @@ class Route:
     maps_id_back: bool = True
     # Requests whose JSON body has `"background": true` outlive their connection on purpose.
     may_run_in_background: bool = False
+    # The engine runs each of `n > 1` samples under an ID of its own that tether cannot name
+    # (SGLang): such a request can only be stopped by the dropped connection.
+    samples_unnamed: bool = False
+    # SGLang reads X-Override-Rid here (with header overrides on), so the body can stay as is.
+    rid_header_honoured: bool = False
 
-    def engine_request_ids(self, internal_request_id: str, items: int = 1) -> tuple[str, ...]:
+    def engine_request_ids(
+        self, internal_request_id: str, items: int = 1, samples: int = 1
+    ) -> tuple[str, ...]:
         """What the engine's abort API must name to stop this request; () when unknown."""
-        if self.engine_id is None:
+        if self.engine_id is None or (self.samples_unnamed and samples > 1):
             return ()
         if self.fan_out is None:
             return (self.engine_id.format(id=internal_request_id),)
@@ -111,15 +119,43 @@ _VLLM_ROUTES = (
 
 # SGLang takes its rid from the body and uses it verbatim: as the engine ID, as the response
 # `id` and as the name `/abort_request` matches (by prefix: tether's IDs are fixed-length, so
-# no rid of tether's is a prefix of another). Started with
-# SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 it takes `X-Override-Rid` first: tether always sets
-# that header to its rid too, so a client's own cannot win, and can skip the body rewrite.
+# no rid of tether's is a prefix of another, and `<rid>_<i>` batch items are reached through
+# `<rid>`). Started with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 it takes `X-Override-Rid`
+# first on chat and /generate: tether always sets that header to its rid too, so a client's
+# own cannot win there, and can skip the body rewrite. Two routes take their rid from another
+# field, which tether owns as well: a client's own there could be a prefix of others' rids.
 _SGLANG_RID = BodyField("rid")
 _SGLANG_RID_HEADER = "X-Override-Rid"
 _SGLANG_ROUTES = (
-    Route("/v1/chat/completions", "{id}", TokenShape.CHAT, (_SGLANG_RID,)),
-    Route("/v1/completions", "{id}", TokenShape.COMPLETION, (_SGLANG_RID,)),
-    Route("/generate", "{id}", TokenShape.SGLANG_GENERATE, (_SGLANG_RID,)),
+    Route(
+        "/v1/chat/completions",
+        "{id}",
+        TokenShape.CHAT,
+        (_SGLANG_RID,),
+        samples_unnamed=True,
+        rid_header_honoured=True,
+    ),
+    Route("/v1/completions", "{id}", TokenShape.COMPLETION, (_SGLANG_RID,), samples_unnamed=True),
+    Route(
+        "/generate",
+        "{id}",
+        TokenShape.SGLANG_GENERATE,
+        (_SGLANG_RID,),
+        samples_unnamed=True,
+        rid_header_honoured=True,
+    ),
+    # SageMaker's entry point runs the chat handler.
+    Route("/invocations", "{id}", TokenShape.CHAT, (_SGLANG_RID,), samples_unnamed=True),
+    # The Responses API's rid is its `request_id`, also the client's handle for follow-ups.
+    Route(
+        "/v1/responses",
+        "resp_{id}",
+        TokenShape.RESPONSES,
+        (BodyField("request_id", "resp_{id}"),),
+        maps_id_back=False,
+        may_run_in_background=True,
+    ),
+    Route("/vertex_generate", "{id}", TokenShape.NONE, (BodyField("parameters.rid"),)),
 )
 
 
@@ -155,8 +191,10 @@ class EngineProfile:
             self.id_headers = ("X-Request-Id", _SGLANG_RID_HEADER)
             self._unknown_route_fields = (_SGLANG_RID,)
             if settings.sglang_rid_header:
-                routes = tuple(replace(route, body_fields=()) for route in routes)
-                self._unknown_route_fields = ()
+                routes = tuple(
+                    replace(route, body_fields=()) if route.rid_header_honoured else route
+                    for route in routes
+                )
         self._routes = {route.path: route for route in routes}
 
     @property

@@ -83,6 +83,7 @@ class RequestCycle:
         "fan_out",
         "relay",
         "route",
+        "samples",
         "span",
         "span_handed_over",
         "state",
@@ -100,6 +101,7 @@ class RequestCycle:
         self.client_response: web.StreamResponse | None = None
         self.background = False  # the client asked the engine to outlive the connection
         self.fan_out = 1  # separate engine requests the body makes
+        self.samples = 1  # samples it asks for (`n`)
 
 
 async def proxy_request(request: web.Request) -> web.StreamResponse:
@@ -229,6 +231,7 @@ async def _forward(
     )
     cycle.background = outgoing.background
     cycle.fan_out = outgoing.items
+    cycle.samples = outgoing.samples
     headers = upstream_request_headers(
         request.headers,
         client_request_id_header=settings.request_id_header,
@@ -439,7 +442,7 @@ def _stop_upstream(
         client_request_id=state.client_request_id,
         route_label=state.route,
         engine_request_ids=(
-            route.engine_request_ids(state.internal_request_id, cycle.fan_out)
+            route.engine_request_ids(state.internal_request_id, cycle.fan_out, cycle.samples)
             if route is not None
             else ()
         ),

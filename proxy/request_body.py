@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from multidict import istr
@@ -32,6 +33,8 @@ class OutgoingBody:
     background: bool = False
     # How many requests the engine makes of it (the route's `fan_out` field).
     items: int = 1
+    # How many samples it asks for (`n`).
+    samples: int = 1
 
     @property
     def streamed(self) -> bool:
@@ -62,7 +65,7 @@ async def outgoing_body(
     body = await _read_whole(request, max_json_body, body_timeout)
     assert route is not None
     needed = [field for field in fields if field.always or _mentions(body, field)]
-    if not (needed or route.may_run_in_background or route.fan_out):
+    if not (needed or route.may_run_in_background or route.fan_out or route.samples_unnamed):
         return OutgoingBody(body)
     try:
         document = read_json_object(body)
@@ -70,13 +73,31 @@ async def outgoing_body(
         raise InvalidRequestBodyError(str(exc)) from None
     background = route.may_run_in_background and document.get("background") is True
     items = _items(document.get(route.fan_out)) if route.fan_out else 1
+    n = document.get("n")
+    samples = n if isinstance(n, int) and n > 1 else 1
     if not needed:
-        return OutgoingBody(body, background=background, items=items)
+        return OutgoingBody(body, background=background, items=items, samples=samples)
     for field in needed:
-        document[field.name] = field.value.format(id=internal_request_id)
+        _set_field(document, field.name, field.value.format(id=internal_request_id))
     return OutgoingBody(
-        write_json_object(document), rewritten=True, background=background, items=items
+        write_json_object(document),
+        rewritten=True,
+        background=background,
+        items=items,
+        samples=samples,
     )
+
+
+def _set_field(document: dict[str, Any], name: str, value: str) -> None:
+    """Set `name` (dotted for a field inside an object field) to `value`; an inner field the
+    body has not got, or that is not an object, becomes one."""
+    *outer, last = name.split(".")
+    for key in outer:
+        inner = document.get(key)
+        if not isinstance(inner, dict):
+            inner = document[key] = {}
+        document = inner
+    document[last] = value
 
 
 def _items(value: object) -> int:
@@ -120,7 +141,7 @@ async def _read_chunk(request: web.Request, timeout: float) -> bytes:
 
 
 def _mentions(body: bytes, field: BodyField) -> bool:
-    return b'"' + field.name.encode() + b'"' in body
+    return b'"' + field.name.rpartition(".")[2].encode() + b'"' in body
 
 
 async def defer_continue(request: web.Request) -> None:

@@ -167,10 +167,11 @@ class Settings(BaseSettings):
         "dropped.",
     )
     abort_repeat_delay: float = Field(
-        0.5,
+        0.02,
         ge=0,
-        description="An abort is sent once more after this many seconds, in case it overtook "
-        "the request it names; 0 disables the repeat.",
+        description="While the engine's response goes on after an accepted abort (it may have "
+        "overtaken its request), the call is repeated after this many seconds, then at "
+        "doubling intervals until the confirm timeout; 0 disables the repeats.",
     )
     shutdown_grace: float = Field(
         30.0,
