@@ -201,6 +201,11 @@ class EngineProfile:
     def sends_aborts(self) -> bool:
         return self.engine is not Engine.NONE
 
+    @property
+    def merges_aborts(self) -> bool:
+        """Whether one abort call can name many requests (vLLM's `request_ids` list)."""
+        return self.engine is Engine.VLLM
+
     def route(self, method: str, path: str) -> Route | None:
         """The route table entry for a request; None for read-only requests (nothing to
         abort) on routes outside the table."""

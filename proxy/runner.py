@@ -19,6 +19,10 @@ from .settings import Settings
 
 log = structlog.get_logger("tether.runner")
 
+# Connections the kernel may queue before tether accepts them: a gateway opening hundreds at
+# once must not meet resets (aiohttp's default is 128, and listening again with it would
+# shrink the queue).
+LISTEN_BACKLOG = 4096
 # How long cancelled handlers get to hand their aborts over, once the grace period is over.
 _CANCEL_SETTLE_SECONDS = 5.0
 
@@ -36,7 +40,7 @@ def listening_socket(host: str, port: int, keepalive_idle: int) -> socket.socket
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(4096)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 
@@ -80,14 +84,14 @@ class TetherServer:
         settings = self.settings
         await self._proxy_runner.setup()
         proxy_socket = listening_socket(settings.host, settings.port, settings.tcp_keepalive_idle)
-        self._proxy_site = web.SockSite(self._proxy_runner, proxy_socket)
+        self._proxy_site = web.SockSite(self._proxy_runner, proxy_socket, backlog=LISTEN_BACKLOG)
         await self._proxy_site.start()
         self.port = proxy_socket.getsockname()[1]
         await self._admin_runner.setup()
         admin_socket = listening_socket(
             settings.admin_host, settings.admin_port, settings.tcp_keepalive_idle
         )
-        await web.SockSite(self._admin_runner, admin_socket).start()
+        await web.SockSite(self._admin_runner, admin_socket, backlog=LISTEN_BACKLOG).start()
         self.admin_port = admin_socket.getsockname()[1]
         log.info(
             "tether_started",

@@ -411,3 +411,30 @@ async def test_tokens_relayed_come_from_usage_when_the_client_asked_for_it(
     await settled(server)
     registry = server.context.metrics.registry
     assert metric(registry, "tether_tokens_relayed_total", route="/v1/chat/completions") == 21
+
+
+async def test_clients_leaving_together_are_aborted_in_few_calls(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """Hundreds of clients leaving at once (a gateway restarting): their aborts queue behind
+    a few calls in flight, and vLLM's list-taking route gets their IDs merged; every one is
+    still confirmed by its stream's end."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url)
+    streams = 200
+    clients = []
+    for _ in range(streams):
+        client = await RawClient.connect(server.port)
+        await client.send_request(chat_body(max_tokens=100_000))
+        clients.append(client)
+    for client in clients:
+        await client.read_until(b"tok0")
+    for client in clients:
+        client.close_fin()
+    await settled(server)
+    await drained(server)
+
+    named = [engine_id for abort in engine.aborts for engine_id in abort.ids]
+    assert sorted(named) == sorted(g.engine_id for g in engine.generations.values())
+    assert len(engine.aborts) < streams / 4  # merged, not one call per stream
+    assert aborts(server, "confirmed") == streams
