@@ -69,6 +69,9 @@ def main() -> None:
     parser.add_argument("--workload", choices=("relay", "paced", "requests"), default="relay")
     parser.add_argument("--log-level", choices=("warning", "info"), default="warning")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument(
+        "--native", action="store_true", help="sample C frames too (uvloop, libuv, the kernel)"
+    )
     args = parser.parse_args()
     beside = Path(sys.executable).with_name("py-spy")  # the venv's, when not on PATH
     py_spy = str(beside) if beside.exists() else shutil.which("py-spy")
@@ -86,8 +89,9 @@ def main() -> None:
         ):
             assert system.proxy_pid is not None
             pid, rate = str(system.proxy_pid), str(SAMPLE_RATE_HZ)
+            native = ["--native"] if args.native else []
             sampler = subprocess.Popen(
-                [py_spy, "record", "-p", pid, "-r", rate, "-f", "raw", "-o", str(output)],
+                [py_spy, "record", *native, "-p", pid, "-r", rate, "-f", "raw", "-o", str(output)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 preexec_fn=pinned(CLIENT_CORE),
@@ -95,7 +99,7 @@ def main() -> None:
             if args.workload == "relay":
                 figures = relay(FULL, fake_engine, system, streams=64)
             elif args.workload == "paced":
-                figures = paced_latency(FULL, fake_engine, system)
+                figures = paced_latency(FULL, fake_engine, system, FULL.paced)
             else:
                 figures = request_overhead(FULL, fake_engine, system, clients=32)
             sampler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT

@@ -12,6 +12,7 @@ from .fleet import Fleet
 from .health import Readiness
 from .metrics import Metrics
 from .registry import Registry
+from .request_ids import IdMinter
 from .settings import Settings
 from .tracing import Tracer
 from .upstream import UpstreamClient
@@ -28,6 +29,7 @@ class ProxyContext:
     readiness: Readiness
     fleet: Fleet
     tracer: Tracer | None  # None: tracing is off (or not installed) and costs nothing
+    ids: IdMinter
 
 
 CONTEXT = web.AppKey("tether_context", ProxyContext)

@@ -10,6 +10,7 @@ aborts are counted `unknown_route`.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 
@@ -19,6 +20,13 @@ from .tokens import TokenShape
 # Dev-mode/tokens-only route first, then the scale-out one; a default server has neither.
 _VLLM_ABORT_PATHS = ("/abort_requests", "/inference/v1/abort_requests")
 _SGLANG_ABORT_PATH = "/abort_request"
+
+
+@functools.lru_cache(maxsize=64)
+def _quoted(name: str) -> bytes:
+    return b'"' + name.encode() + b'"'
+
+
 # Methods that never start generation: a client leaving one costs the engine nothing.
 _READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
@@ -33,6 +41,11 @@ class BodyField:
     # False: set only when the client sent the field (it must not survive), else leave the
     # body alone because the engine reads the ID from the header.
     always: bool = True
+
+    @property
+    def quoted_name(self) -> bytes:
+        """How the (innermost) field's name appears in a JSON body: `"name"`."""
+        return _quoted(self.name.rpartition(".")[2])
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from aiohttp.http_writer import StreamWriter
 from multidict import istr
 
 from .aborts import StopRequest
-from .context import CONTEXT, ProxyContext
+from .context import ProxyContext
 from .engines import Route
 from .errors import (
     AdminAbortedError,
@@ -49,10 +49,10 @@ from .relay import ResponseRelay
 from .request_body import outgoing_body
 from .request_ids import (
     IdMapper,
+    IdMinter,
     InvalidClientRequestId,
     check_client_request_id,
     json_escaped,
-    mint_internal_request_id,
 )
 from .routes import is_blocked
 from .settings import RequestIdMode
@@ -104,9 +104,8 @@ class RequestCycle:
         self.samples = 1  # samples it asks for (`n`)
 
 
-async def proxy_request(request: web.Request) -> web.StreamResponse:
+async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.StreamResponse:
     """The handler for every client path."""
-    ctx = request.app[CONTEXT]
     settings = ctx.settings
 
     # 1. Refuse what must never reach the engine, IDs that cannot be echoed safely, and any
@@ -119,9 +118,9 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
             raise BlockedRouteError(
                 f"{request.path} is an engine control route; tether does not forward it"
             )
-        client_request_id = _client_request_id(request, settings.request_id_header)
+        client_request_id = _client_request_id(request, settings.request_id_header, ctx.ids)
         if settings.request_id_mode is RequestIdMode.UNIQUE:
-            internal_request_id = mint_internal_request_id()
+            internal_request_id = ctx.ids.mint()
         elif ctx.registry.find(client_request_id):
             raise DuplicateRequestIdError(
                 f"a request with the ID {client_request_id!r} is already in flight "
@@ -143,7 +142,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
         method=request.method,
         path=request.path,
         route=route_label(request.path),
-        task=asyncio.current_task(),
+        task=request.task,
         connection=request.protocol,
     )
     span = ctx.tracer.start(request.method, state.route, request.headers) if ctx.tracer else None
@@ -218,7 +217,7 @@ async def proxy_request(request: web.Request) -> web.StreamResponse:
 
 
 async def _forward(
-    request: web.Request, cycle: RequestCycle, ctx: ProxyContext
+    request: web.BaseRequest, cycle: RequestCycle, ctx: ProxyContext
 ) -> web.StreamResponse:
     state = cycle.state
     settings = ctx.settings
@@ -311,7 +310,7 @@ async def _relay_whole(
 
 
 async def _relay_stream(
-    request: web.Request,
+    request: web.BaseRequest,
     head: ResponseHead,
     cycle: RequestCycle,
     ctx: ProxyContext,
@@ -362,10 +361,10 @@ async def _to_client(write: Awaitable[_T]) -> _T:
         raise ClientGoneError(str(exc)) from exc
 
 
-def _client_request_id(request: web.Request, header: str) -> str:
+def _client_request_id(request: web.BaseRequest, header: str, ids: IdMinter) -> str:
     value = request.headers.get(header)
     if value is None:
-        return mint_internal_request_id()
+        return ids.mint()
     try:
         return check_client_request_id(value)
     except InvalidClientRequestId as exc:
@@ -392,7 +391,7 @@ def _outcome_of(error: TetherError) -> Outcome:
     return Outcome.UPSTREAM_FAILED
 
 
-def _why_cancelled(request: web.Request, state: RequestState, ctx: ProxyContext) -> Outcome:
+def _why_cancelled(request: web.BaseRequest, state: RequestState, ctx: ProxyContext) -> Outcome:
     if state.ended_by is not None:
         return state.ended_by
     transport = request.transport
@@ -458,7 +457,7 @@ def _stop_upstream(
 
 
 def _answer_failure(
-    request: web.Request,
+    request: web.BaseRequest,
     ctx: ProxyContext,
     cycle: RequestCycle,
     outcome: Outcome,
@@ -476,7 +475,7 @@ def _answer_failure(
     return _error_response(error, ctx.settings.request_id_header, cycle.state.client_request_id)
 
 
-def _cut_client_stream(request: web.Request) -> None:
+def _cut_client_stream(request: web.BaseRequest) -> None:
     """End a started response without its terminator, so the client sees it as truncated.
 
     Closing the transport makes aiohttp's final `write_eof` fail instead of sending the last
@@ -486,7 +485,7 @@ def _cut_client_stream(request: web.Request) -> None:
         request.transport.close()
 
 
-def _reject(request: web.Request, ctx: ProxyContext, error: TetherError) -> web.Response:
+def _reject(request: web.BaseRequest, ctx: ProxyContext, error: TetherError) -> web.Response:
     """Refused before anything was forwarded: counted as rejected, never seen by the engine."""
     header = ctx.settings.request_id_header
     echo = request.headers.get(header) if not isinstance(error, InvalidRequestIdError) else None
@@ -575,8 +574,11 @@ def _finish(
         span.finish(status, error.message if error is not None else None)
         if not cycle.span_handed_over:
             span.end()
+    level = error.log_level if error is not None else logging.INFO
+    if not log.is_enabled_for(level):
+        return  # the line's fields are not even assembled (most of its cost)
     log.log(
-        error.log_level if error is not None else logging.INFO,
+        level,
         "request_finished",
         method=state.method,
         path=state.path,

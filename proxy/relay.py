@@ -103,12 +103,11 @@ class ResponseRelay:
     def feed(self, chunk: bytes) -> None:
         self.tokens.feed(chunk)
         mode = self._mode
-        if mode is _Mode.CLIENT:
-            self._write(chunk)
-        elif mode is _Mode.BUFFER:
+        if mode is _Mode.BUFFER:
             self._buffer.append(chunk)
-
-    def _write(self, chunk: bytes) -> None:
+            return
+        if mode is not _Mode.CLIENT:
+            return
         if self._mapper is not None:
             chunk = self._mapper.feed(chunk)
             if not chunk:
@@ -118,10 +117,7 @@ class ResponseRelay:
         if transport.is_closing():
             self._client_left()
             return
-        if self._chunked:
-            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        else:
-            transport.write(chunk)
+        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self._chunked else chunk)
         self.bytes_out += len(chunk)
         if self._is_sse:
             self.sse_events += chunk.count(b"\n\n")

@@ -2,7 +2,8 @@
 whole where tether must write its ID into the JSON (SGLang's `rid`, vLLM's body `request_id`,
 the Responses API's `request_id`). Either way a client that goes silent mid-body for
 TETHER_CLIENT_BODY_TIMEOUT seconds gets a 408, and `Expect: 100-continue` is answered only
-once tether's own checks have passed."""
+once tether's own checks have passed (tether's server has no router to answer it
+before)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from .request_ids import InvalidJsonBody, read_json_object, write_json_object
 from .upstream_protocol import RequestBody
 
 _CONTENT_TYPE = istr("Content-Type")
+_EXPECT = istr("Expect")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OutgoingBody:
     """What goes to the engine, and what tether learnt from the body on the way."""
 
@@ -42,7 +44,7 @@ class OutgoingBody:
 
 
 async def outgoing_body(
-    request: web.Request,
+    request: web.BaseRequest,
     route: Route | None,
     internal_request_id: str,
     *,
@@ -108,12 +110,12 @@ def _items(value: object) -> int:
     return 1
 
 
-async def stream_body(request: web.Request, timeout: float) -> AsyncIterator[bytes]:
+async def stream_body(request: web.BaseRequest, timeout: float) -> AsyncIterator[bytes]:
     while chunk := await _read_chunk(request, timeout):
         yield chunk
 
 
-async def _read_whole(request: web.Request, limit: int, timeout: float) -> bytes:
+async def _read_whole(request: web.BaseRequest, limit: int, timeout: float) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while chunk := await _read_chunk(request, timeout):
@@ -126,7 +128,7 @@ async def _read_whole(request: web.Request, limit: int, timeout: float) -> bytes
     return b"".join(chunks)
 
 
-async def _read_chunk(request: web.Request, timeout: float) -> bytes:
+async def _read_chunk(request: web.BaseRequest, timeout: float) -> bytes:
     """The next piece of the client's body (b"" at its end), bounded by the body timeout."""
     content = request.content
     if content.is_eof():  # all of it arrived already (most requests): nothing to wait for
@@ -141,20 +143,16 @@ async def _read_chunk(request: web.Request, timeout: float) -> bytes:
 
 
 def _mentions(body: bytes, field: BodyField) -> bool:
-    return b'"' + field.name.rpartition(".")[2].encode() + b'"' in body
+    return field.quoted_name in body
 
 
-async def defer_continue(request: web.Request) -> None:
-    """aiohttp's `Expect: 100-continue` hook: say nothing yet; tether answers once its own
-    checks (route, request ID, body size) have passed, so a refused upload is never sent."""
-
-
-async def _send_continue_if_asked(request: web.Request) -> None:
-    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+async def _send_continue_if_asked(request: web.BaseRequest) -> None:
+    expect = request.headers.get(_EXPECT)
+    if expect is not None and expect.lower() == "100-continue" and request.version >= (1, 1):
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
-def _engine_reads_as_json(request: web.Request) -> bool:
+def _engine_reads_as_json(request: web.BaseRequest) -> bool:
     """Whether the engine's HTTP layer (FastAPI for vLLM and SGLang) parses this body as JSON:
     no Content-Type at all, application/json or application/*+json. Rewriting only bodies
     labelled application/json would let a client's own `rid` through unlabelled."""

@@ -18,13 +18,30 @@ class InvalidClientRequestId(ValueError):
     """The client's request ID cannot be used; the message says why."""
 
 
-def mint_internal_request_id() -> str:
-    """A fresh internal ID: 32 random hex characters.
+class IdMinter:
+    """Mints internal IDs: 32 random hex characters each.
 
     Fixed length makes the IDs prefix-free (SGLang aborts every rid that *starts with* the one
-    named), and hex never ends in `_<digit>` (SGLang's suffix for n>1 children).
+    named), and hex never ends in `_<digit>` (SGLang's suffix for n>1 children). The bytes
+    come from the OS's CSPRNG (a Responses API handle built from one must not be guessable),
+    fetched for many IDs at once: one getrandom call per 256 requests instead of per request.
     """
-    return os.urandom(INTERNAL_REQUEST_ID_LENGTH // 2).hex()
+
+    __slots__ = ("_hex", "_next")
+
+    _BATCH = 256
+
+    def __init__(self) -> None:
+        self._hex = ""
+        self._next = 0
+
+    def mint(self) -> str:
+        start = self._next
+        if start >= len(self._hex):
+            self._hex = os.urandom(self._BATCH * INTERNAL_REQUEST_ID_LENGTH // 2).hex()
+            start = 0
+        self._next = start + INTERNAL_REQUEST_ID_LENGTH
+        return self._hex[start : start + INTERNAL_REQUEST_ID_LENGTH]
 
 
 def check_client_request_id(value: str) -> str:
@@ -91,14 +108,17 @@ class IdMapper:
         self._held = b""
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._held and chunk and chunk[-1] not in self._needle_bytes:
+            # The common chunk (an SSE event ends in a newline): nothing held, nothing to
+            # hold back, one scan.
+            return chunk.replace(self._needle, self._replacement)
         data = self._held + chunk if self._held else chunk
         if not data:
             return data
         needle = self._needle
         last = data.rfind(needle)
         tail_start = 0 if last < 0 else last + len(needle)
-        # A held-back end must end in a byte of the ID; SSE events end in a newline, so the
-        # common chunk needs no scan at all.
+        # A held-back end must end in a byte of the ID.
         keep = (
             _partial_match_at_end(data, needle, tail_start) if data[-1] in self._needle_bytes else 0
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 from urllib.parse import unquote
@@ -31,6 +32,10 @@ def normalised_path(raw_path: str) -> str:
     return path.lower().rstrip("/") or "/"
 
 
+@functools.lru_cache(maxsize=1024)
 def is_blocked(raw_path: str, blocked_paths: tuple[str, ...]) -> bool:
-    """True when the path reaches one of the engine's control routes (prefix match)."""
+    """True when the path reaches one of the engine's control routes (prefix match).
+
+    Clients use a handful of paths, so the answer is remembered per path (a bounded cache:
+    many distinct paths only cost the normalisation, never memory)."""
     return normalised_path(raw_path).startswith(blocked_paths)

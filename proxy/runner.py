@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 
 import structlog
@@ -14,6 +15,7 @@ from aiohttp import web
 from .admin import create_admin_app
 from .app import create_app
 from .context import CONTEXT, ProxyContext
+from .forward import proxy_request
 from .registry import Outcome
 from .settings import Settings
 
@@ -51,23 +53,7 @@ class TetherServer:
     def __init__(self, settings: Settings, tracer_provider: object | None = None) -> None:
         self.settings = settings
         self.app = create_app(settings, tracer_provider)
-        self._proxy_runner = web.AppRunner(
-            self.app,
-            handle_signals=False,
-            access_log=None,
-            # A client that leaves cancels its handler at once, in every phase.
-            handler_cancellation=True,
-            # aiohttp closes a connection that has no complete request head this long after
-            # it opened or after its last response: the bound on slow-loris senders, and the
-            # idle keep-alive timeout (as nginx's client_header_timeout and keepalive_timeout).
-            keepalive_timeout=settings.client_header_timeout,
-            # After an early answer (408, 413) read what the client still sends for at most
-            # this long, then close: a silent uploader does not hold a connection for 10 s.
-            lingering_time=1.0,
-            # Idle keep-alive connections close at shutdown; in-flight requests are drained
-            # by `stop()` before the runner is cleaned up.
-            shutdown_timeout=1.0,
-        )
+        self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner = web.AppRunner(
             create_admin_app(self.app), handle_signals=False, access_log=None
         )
@@ -82,6 +68,33 @@ class TetherServer:
 
     async def start(self) -> None:
         settings = self.settings
+        # The cleanup contexts (everything that outlives a request) start as AppRunner would
+        # start them: they may still set the app's keys, then the app is frozen.
+        self.app.on_startup.freeze()
+        await self.app.startup()
+        self.app.freeze()
+        self._proxy_runner = web.ServerRunner(
+            web.Server(
+                functools.partial(proxy_request, self.context),
+                # A client that leaves cancels its handler at once, in every phase.
+                handler_cancellation=True,
+                # aiohttp closes a connection that has no complete request head this long
+                # after it opened or after its last response: the bound on slow-loris
+                # senders, and the idle keep-alive timeout (as nginx's client_header_timeout
+                # and keepalive_timeout).
+                keepalive_timeout=settings.client_header_timeout,
+                # After an early answer (408, 413) read what the client still sends for at
+                # most this long, then close: a silent uploader does not hold a connection.
+                lingering_time=1.0,
+                access_log=None,
+                max_field_size=16384,
+                max_line_size=16384,
+            ),
+            handle_signals=False,
+            # Idle keep-alive connections close at shutdown; in-flight requests are drained
+            # by `stop()` before the runner is cleaned up.
+            shutdown_timeout=1.0,
+        )
         await self._proxy_runner.setup()
         proxy_socket = listening_socket(settings.host, settings.port, settings.tcp_keepalive_idle)
         self._proxy_site = web.SockSite(self._proxy_runner, proxy_socket, backlog=LISTEN_BACKLOG)
@@ -122,7 +135,9 @@ class TetherServer:
                     await ctx.registry.wait_empty()
             except TimeoutError:
                 await self._abort_in_flight(ctx)
-        await self._proxy_runner.cleanup()  # drains the abort tracker, closes the session
+        if self._proxy_runner is not None:
+            await self._proxy_runner.cleanup()
+        await self.app.cleanup()  # drains the abort tracker, closes the sessions
         await self._admin_runner.cleanup()
         log.info("shutdown_finished")
 
@@ -131,7 +146,7 @@ class TetherServer:
         and gateways open their next connection elsewhere. Busy ones stay: their responses
         finish (with `Connection: close` where the head has not gone out yet), and a request
         that still arrives on one is answered 503 `shutting_down` with `Retry-After: 0`."""
-        server = self._proxy_runner.server
+        server = self._proxy_runner.server if self._proxy_runner is not None else None
         if server is None:
             return
         busy = ctx.registry.connections()

@@ -13,7 +13,6 @@ at the end, from the last bytes of the response.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -32,10 +31,12 @@ class TokenShape(StrEnum):
 @dataclass(frozen=True, slots=True)
 class _EventMarkers:
     """Byte markers of token-carrying events: each `counted` occurrence is one event, each
-    `excluded` occurrence one event that matched `counted` but carries no token."""
+    `excluded` occurrence one event that matched `counted` but carries no token. `excluded`
+    markers are only counted in chunks holding their `hint` (one scan instead of one per
+    spelling; the events they mark are rare)."""
 
     counted: tuple[bytes, ...]
-    excluded: tuple[bytes, ...] = ()
+    excluded: tuple[tuple[bytes, tuple[bytes, ...]], ...] = ()
 
 
 def _spellings(key: bytes, value: bytes) -> tuple[bytes, bytes]:
@@ -44,13 +45,13 @@ def _spellings(key: bytes, value: bytes) -> tuple[bytes, bytes]:
 
 
 # An aborted stream ends with one more event that names the abort and carries no token.
-_ABORT_FINISH = _spellings(b"finish_reason", b'"abort"')
+_ABORT_FINISH = (b'"abort"', _spellings(b"finish_reason", b'"abort"'))
 _MARKERS: dict[TokenShape, _EventMarkers] = {
     # The first chat event only announces the assistant's role.
     TokenShape.CHAT: _EventMarkers(
-        (b'"delta":',), (*_spellings(b"role", b'"assistant"'), *_ABORT_FINISH)
+        (b'"delta":',), ((b'"assistant"', _spellings(b"role", b'"assistant"')), _ABORT_FINISH)
     ),
-    TokenShape.COMPLETION: _EventMarkers((b'"text":',), _ABORT_FINISH),
+    TokenShape.COMPLETION: _EventMarkers((b'"text":',), (_ABORT_FINISH,)),
     TokenShape.MESSAGES: _EventMarkers(_spellings(b"type", b'"content_block_delta"')),
     TokenShape.RESPONSES: _EventMarkers(
         (
@@ -63,27 +64,26 @@ _MARKERS: dict[TokenShape, _EventMarkers] = {
 }
 
 # The engine's own count, wherever it reports one: `usage.completion_tokens` (OpenAI),
-# `usage.output_tokens` (Anthropic, Responses), `meta_info.completion_tokens` (SGLang). The
-# closing quote right before the colon keeps `completion_tokens_details` and escaped quotes
-# inside generated text from matching.
-_REPORTED = re.compile(rb'"(?:completion_tokens|output_tokens)":\s*(\d+)')
-_TAIL_BYTES = 2048
+# `usage.output_tokens` (Anthropic, Responses), `meta_info.completion_tokens` (SGLang); the
+# last one in a response is its total. The closing quote right before the colon keeps
+# `completion_tokens_details` and escaped quotes inside generated text from matching.
+_COMPLETION_TOKENS = b'"completion_tokens":'
+_OUTPUT_TOKENS = b'"output_tokens":'
 
 
 class TokenCounter:
     """Counts the tokens in one response's body, chunk by chunk, as it passes."""
 
-    __slots__ = ("_counted", "_excluded", "_tail", "_tail_size", "events")
+    __slots__ = ("_counted", "_excluded", "_last", "_previous", "_third", "events")
 
     def __init__(self, shape: TokenShape) -> None:
         markers = _MARKERS[shape]
         self._counted = markers.counted
         self._excluded = markers.excluded
-        # The last chunks seen, at least _TAIL_BYTES of them: the engine's count sits at the
-        # very end of a JSON answer and in the last events of a stream (usage, then
-        # `[DONE]`), however the network cut them.
-        self._tail: list[bytes] = []
-        self._tail_size = 0
+        # The last three chunks seen: the engine's count sits at the very end of a JSON
+        # answer and in the last events of a stream (usage, then `[DONE]`), which network
+        # reads deliver in whole events or more.
+        self._last = self._previous = self._third = b""
         self.events = 0
 
     def feed(self, chunk: bytes) -> int:
@@ -92,20 +92,26 @@ class TokenCounter:
         for marker in self._counted:
             found += chunk.count(marker)
         if found:
-            for marker in self._excluded:
-                found -= chunk.count(marker)
+            for hint, markers in self._excluded:
+                if hint in chunk:
+                    for marker in markers:
+                        found -= chunk.count(marker)
             self.events += found
-        tail = self._tail
-        tail.append(chunk)
-        self._tail_size += len(chunk)
-        while self._tail_size - len(tail[0]) >= _TAIL_BYTES:
-            self._tail_size -= len(tail.pop(0))
+        self._third, self._previous, self._last = self._previous, self._last, chunk
         return found
 
     def reported(self) -> int | None:
         """The engine's own token count from the last bytes seen, if it reported one."""
-        matches = _REPORTED.findall(b"".join(self._tail))
-        return int(matches[-1]) if matches else None
+        tail = self._third + self._previous + self._last
+        usage, output = tail.rfind(_COMPLETION_TOKENS), tail.rfind(_OUTPUT_TOKENS)
+        at, marker = (usage, _COMPLETION_TOKENS) if usage > output else (output, _OUTPUT_TOKENS)
+        if at < 0:
+            return None
+        digits = tail[at + len(marker) :].lstrip(b" ")
+        end = 0
+        while end < len(digits) and 48 <= digits[end] <= 57:
+            end += 1
+        return int(digits[:end]) if end else None
 
     def total(self) -> int:
         """Tokens in the whole response: the engine's count where given, else the events."""

@@ -85,7 +85,7 @@ class UpstreamExchange:
         "_retried",
         "_reusable",
         "_sink",
-        "body_bytes",
+        "_watch_silence",
         "client_gone",
         "complete",
         "ended_at",
@@ -113,7 +113,7 @@ class UpstreamExchange:
         self.client_gone = False
         self._reusable = True
         self.sent = False  # the whole request reached the engine's socket
-        self.body_bytes = 0
+        self._watch_silence = False  # set by a wait with an idle timeout
         self.first_body_at: float | None = None
         self.last_data_at = 0.0
         self.ended_at: float | None = None
@@ -185,6 +185,9 @@ class UpstreamExchange:
             if idle_timeout is None:
                 await self._next_event()
                 continue
+            if not self._watch_silence:
+                self._watch_silence = True
+                self.last_data_at = self._loop.time()
             silent_for = self._loop.time() - self.last_data_at
             if silent_for >= idle_timeout:
                 raise RequestTimeoutError(
@@ -279,10 +282,10 @@ class UpstreamExchange:
             self._on_complete(reusable=False)
 
     def _on_body(self, chunk: bytes) -> None:
-        self.last_data_at = self._loop.time()
+        if self._watch_silence:
+            self.last_data_at = self._loop.time()
         if self.first_body_at is None:
             self.first_body_at = time.monotonic()
-        self.body_bytes += len(chunk)
         sink = self._sink
         if sink is not None:
             sink.feed(chunk)

@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from proxy.fake_engine import AbortRoute
 from proxy.request_ids import (
     IdMapper,
+    IdMinter,
     InvalidClientRequestId,
     InvalidJsonBody,
     check_client_request_id,
     json_escaped,
-    mint_internal_request_id,
     write_request_id_fields,
 )
 
@@ -30,7 +30,8 @@ from .support.canaries import CANARY_PROMPT
 
 def test_internal_ids_are_fixed_length_hex_and_unique() -> None:
     """Internal IDs are 32 hex characters (prefix-free, never `_<digit>`) and never repeat."""
-    ids = {mint_internal_request_id() for _ in range(10_000)}
+    minter = IdMinter()
+    ids = {minter.mint() for _ in range(10_000)}  # many batches of fetched randomness
     assert len(ids) == 10_000
     assert all(re.fullmatch(r"[0-9a-f]{32}", value) for value in ids)
 
@@ -94,7 +95,7 @@ def test_mapping_back_is_independent_of_chunk_boundaries(
     client: str, fillers: list[bytes], cuts: list[int]
 ) -> None:
     """Wherever the network cuts the stream, every internal ID becomes the client's ID."""
-    internal = mint_internal_request_id()
+    internal = IdMinter().mint()
     data = internal.encode().join(fillers)
     cuts = [cut for cut in cuts if cut <= len(data)]
     expected = data.replace(internal.encode(), json_escaped(client))
@@ -103,7 +104,7 @@ def test_mapping_back_is_independent_of_chunk_boundaries(
 
 def test_mapped_ids_stay_valid_json_whatever_the_client_id() -> None:
     """Quotes and backslashes in the client's ID are escaped inside JSON strings."""
-    internal = mint_internal_request_id()
+    internal = IdMinter().mint()
     body = json.dumps({"id": f"chatcmpl-{internal}"}).encode()
     mapped = _map_in_pieces(internal, 'a"b\\c', body, [20])
     assert json.loads(mapped) == {"id": 'chatcmpl-a"b\\c'}
@@ -111,7 +112,7 @@ def test_mapped_ids_stay_valid_json_whatever_the_client_id() -> None:
 
 def test_mapper_holds_back_nothing_at_an_event_boundary() -> None:
     """A chunk ending in a blank line is passed on whole: no added latency for SSE."""
-    internal = mint_internal_request_id()
+    internal = IdMinter().mint()
     mapper = IdMapper(internal, b"client")
     event = b'data: {"id":"chatcmpl-' + internal.encode() + b'"}\n\n'
     assert mapper.feed(event) == b'data: {"id":"chatcmpl-client"}\n\n'

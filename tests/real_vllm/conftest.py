@@ -18,6 +18,9 @@ from .processes import CONFIGS, EngineInstall, Stack, StackPool, install_engine
 
 ENABLED = os.environ.get("TETHER_VLLM_TESTS") == "1"
 SKIP_REASON = "real vLLM suite is opt-in: set TETHER_VLLM_TESTS=1 (see tests/real_vllm/README.md)"
+# Seconds one test may take, vLLM's start (up to a minute on a loaded machine) included; the
+# repository's default pytest-timeout is sized for unit tests.
+TEST_TIMEOUT = 600
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -41,6 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order = list(CONFIGS)
     for item in ours:
         item.add_marker(pytest.mark.vllm)
+        if config.pluginmanager.hasplugin("timeout"):
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
         if not ENABLED:
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
     # Stable sort of our items by configuration, keeping them where they were in the list.

@@ -15,12 +15,14 @@ class Measurements:
 
     KEY = pytest.StashKey["Measurements"]()
 
-    def __init__(self) -> None:
+    def __init__(self, env_var: str = "TETHER_VLLM_MEASUREMENTS") -> None:
+        """`env_var` names a file every measurement is appended to as a JSON line, if set."""
         self.rows: list[tuple[str, str, float]] = []
+        self._env_var = env_var
 
     def add(self, topic: str, name: str, value: float) -> None:
         self.rows.append((topic, name, value))
-        out = os.environ.get("TETHER_VLLM_MEASUREMENTS")
+        out = os.environ.get(self._env_var)
         if out:
             with pathlib.Path(out).open("a") as handle:
                 handle.write(json.dumps({"topic": topic, "name": name, "value": value}) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 import time
@@ -70,6 +71,39 @@ class MetricsSnapshot:
             if sample_name == name and all(sample_labels.get(k) == v for k, v in labels.items())
         )
 
+    def buckets(self, histogram: str) -> dict[float, float]:
+        """A histogram's cumulative bucket counts by upper bound (`+Inf` as infinity)."""
+        return {
+            float(labels["le"]): value
+            for name, labels, value in self.samples
+            if name == histogram + "_bucket"
+        }
+
+
+def histogram_quantile(
+    quantile: float, before: MetricsSnapshot, after: MetricsSnapshot, histogram: str
+) -> float:
+    """What Prometheus' `histogram_quantile` says of the observations between two scrapes:
+    linear interpolation inside the bucket the quantile falls in (NaN with none)."""
+    start = before.buckets(histogram)
+    counts = sorted(
+        (le, value - start.get(le, 0.0)) for le, value in after.buckets(histogram).items()
+    )
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return math.nan
+    rank = quantile * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in counts:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound  # beyond the last finite bucket: its bound, as Prometheus
+            inside = count - lower_count
+            share = (rank - lower_count) / inside if inside else 1.0
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
 
 def parse_prometheus(text: str) -> MetricsSnapshot:
     samples = []
@@ -117,6 +151,36 @@ class LogFile:
             return bool(found)
 
         wait_until(appeared, timeout, f"{pattern!r} in {self.path.name}", interval=0.02)
+        return found[0]
+
+    def json_lines(self, mark: int, event: str | None = None) -> list[dict[str, Any]]:
+        """The JSON log lines (tether's) written after `mark`, only those of `event` if given."""
+        found = []
+        for line in self.text_since(mark).splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and (event is None or entry.get("event") == event):
+                found.append(entry)
+        return found
+
+    def wait_json(
+        self, mark: int, event: str, timeout: float = 10.0, **fields: object
+    ) -> dict[str, Any]:
+        """The first JSON line of `event` with these field values written after `mark`,
+        waiting up to `timeout`."""
+        found: list[dict[str, Any]] = []
+
+        def appeared() -> bool:
+            found[:] = [
+                entry
+                for entry in self.json_lines(mark, event)
+                if all(entry.get(key) == value for key, value in fields.items())
+            ]
+            return bool(found)
+
+        wait_until(appeared, timeout, f"{event} {fields} in {self.path.name}", interval=0.02)
         return found[0]
 
     def tail(self, lines: int = 60) -> str:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from .observe import LogFile, http_get, wait_until
+from ..support.net import free_port
+from .observe import LogFile, MetricsSnapshot, http_get, http_post_json, scrape, wait_until
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = REPO / "tests" / "engines" / "vllm_cpu.sh"
@@ -51,11 +53,14 @@ class VllmConfig:
     name: str
     dev_mode: bool = False
     middleware: str | None = None
+    # VLLM_ENABLE_RESPONSES_API_STORE=1: the Responses API keeps responses in memory, for
+    # `GET /v1/responses/{id}`, `previous_response_id`, `background: true` and `/cancel`.
+    responses_store: bool = False
 
 
 DEFAULT = VllmConfig("default")
 WITH_MIDDLEWARE = VllmConfig("default+middleware", middleware="user_middleware.tag_responses")
-DEV_MODE = VllmConfig("dev-mode", dev_mode=True)
+DEV_MODE = VllmConfig("dev-mode", dev_mode=True, responses_store=True)
 # The abort route is what removes the middleware's late-detection tail (see README).
 DEV_MODE_WITH_MIDDLEWARE = VllmConfig(
     "dev-mode+middleware", dev_mode=True, middleware="user_middleware.tag_responses"
@@ -63,12 +68,6 @@ DEV_MODE_WITH_MIDDLEWARE = VllmConfig(
 CONFIGS = {
     config.name: config for config in (DEFAULT, WITH_MIDDLEWARE, DEV_MODE, DEV_MODE_WITH_MIDDLEWARE)
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def on_core(core: int) -> list[str]:
@@ -161,10 +160,16 @@ def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONPATH": str(HERE),
+        # Every line of vLLM's own log starts with its epoch time in milliseconds (its
+        # timestamp has whole seconds): `t=1796114396.452 (APIServer pid=…) INFO …`.
+        "VLLM_LOGGING_PREFIX": "t=%(created).3f ",
     }
-    env.pop("VLLM_SERVER_DEV_MODE", None)
+    for variable in ("VLLM_SERVER_DEV_MODE", "VLLM_ENABLE_RESPONSES_API_STORE"):
+        env.pop(variable, None)
     if config.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if config.responses_store:
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     argv = [
         *on_core(1),
         str(install.vllm),
@@ -214,13 +219,57 @@ class Tether:
     def log(self) -> LogFile:
         return self.process.log
 
+    def metrics(self) -> MetricsSnapshot:
+        return scrape(self.admin_url + "/metrics")
+
+    def in_flight_requests(self) -> list[dict[str, Any]]:
+        """`GET /admin/requests`: what tether is serving now."""
+        status, body = http_get(self.admin_url + "/admin/requests")
+        assert status == 200, f"GET /admin/requests answered {status}: {body[:200]!r}"
+        listing = json.loads(body)
+        if isinstance(listing, dict):  # tolerate {"requests": [...]}
+            listing = listing.get("requests", [])
+        return list(listing)
+
+    def wait_in_flight(self, client_request_id: str, timeout: float = 10.0) -> dict[str, Any]:
+        """The in-flight entry for `client_request_id`, once tether lists it."""
+        found: list[dict[str, Any]] = []
+
+        def listed() -> bool:
+            found[:] = [
+                r
+                for r in self.in_flight_requests()
+                if r.get("client_request_id") == client_request_id
+            ]
+            return bool(found)
+
+        wait_until(listed, timeout, f"{client_request_id} in tether's /admin/requests", 0.02)
+        return found[0]
+
+    def abort(self, client_request_id: str) -> tuple[int, bytes]:
+        """`POST /admin/abort` with the admin token; (status, body)."""
+        status, _, body = http_post_json(
+            self.admin_url + "/admin/abort",
+            {"request_id": client_request_id},
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=10,
+        )
+        return status, body
+
 
 def tether_executable() -> pathlib.Path:
     """The `tether` console script of the venv running pytest."""
     return pathlib.Path(sys.executable).parent / "tether"
 
 
-def start_tether(upstream_url: str, log_path: pathlib.Path) -> Tether:
+def start_tether(
+    upstream_url: str,
+    log_path: pathlib.Path,
+    engine: str = "vllm",
+    settings: dict[str, str] | None = None,
+) -> Tether:
+    """The `tether` console script on core 0, once its /readyz says ready; `settings` are
+    further TETHER_* variables."""
     port, admin_port = free_port(), free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("TETHER_")},
@@ -229,10 +278,11 @@ def start_tether(upstream_url: str, log_path: pathlib.Path) -> Tether:
         "TETHER_PORT": str(port),
         "TETHER_ADMIN_HOST": "127.0.0.1",
         "TETHER_ADMIN_PORT": str(admin_port),
-        "TETHER_ENGINE": "vllm",
+        "TETHER_ENGINE": engine,
         "TETHER_ADMIN_TOKEN": ADMIN_TOKEN,
         "TETHER_LOG_FORMAT": "json",
         "TETHER_LOG_LEVEL": "debug",
+        **(settings or {}),
     }
     process = spawn([*on_core(0), str(tether_executable())], env, log_path)
     ready = wait_ready(

@@ -18,16 +18,19 @@ class RawExchange:
     """One request on its own connection; read as much of the answer as wanted, then close."""
 
     def __init__(
-        self, port: int, path: str, payload: Any, headers: dict[str, str], timeout: float = 60.0
+        self,
+        port: int,
+        path: str,
+        payload: Any,
+        headers: dict[str, str],
+        timeout: float = 60.0,
+        content_type: str | None = "application/json",
     ) -> None:
         body = json.dumps(payload).encode()
-        lines = [
-            f"POST {path} HTTP/1.1",
-            "Host: 127.0.0.1",
-            "Content-Type: application/json",
-            f"Content-Length: {len(body)}",
-            "Connection: close",
-        ]
+        lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1"]
+        if content_type is not None:  # None: a body without any Content-Type header
+            lines.append(f"Content-Type: {content_type}")
+        lines += [f"Content-Length: {len(body)}", "Connection: close"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
         self._sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self._sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
@@ -100,6 +103,21 @@ class RawExchange:
                         yield line[5:].strip()
             if not self._pump():
                 return
+
+    def events_ready(self) -> list[str]:
+        """The events that already arrived (in the socket's receive buffer), without waiting:
+        what a client that closes now has received."""
+        timeout = self._sock.gettimeout()
+        self._sock.setblocking(False)
+        ready: list[str] = []
+        try:
+            for event in self.events():
+                ready.append(event)
+        except BlockingIOError:
+            pass  # nothing more has arrived
+        finally:
+            self._sock.settimeout(timeout)
+        return ready
 
     def chunks(self, count: int) -> list[dict[str, Any]]:
         """The next `count` JSON chunks of an SSE stream."""

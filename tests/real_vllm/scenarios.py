@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from .observe import MetricsSnapshot, http_get, http_post_json, scrape, wait_until
+from .observe import MetricsSnapshot, scrape, wait_until
 from .processes import (
     DEFAULT,
     DEV_MODE,
@@ -26,6 +29,9 @@ INTERNAL_ID = re.compile(r"^[0-9a-f]{32}$")
 LONG = 1900
 # How long vLLM may take to stop a request after the client left; observed ~0.1 s directly.
 ABORT_DEADLINE = 5.0
+# A stop that must have come from tether's abort call: observed 10-100 ms, and below tether's
+# TETHER_ABORT_CONFIRM_TIMEOUT (2 s), after which it would drop the connection instead.
+STOPS_WITHIN = 1.5
 
 # vLLM 0.32 with a user `--middleware` function (a Starlette BaseHTTPMiddleware) sometimes
 # keeps generating for seconds after a streaming client that was reading closes its
@@ -64,6 +70,101 @@ def chat(max_tokens: int, stream: bool, prompt: str = "Tell me a long story.") -
     }
 
 
+def completion(max_tokens: int, stream: bool, prompts: int = 1) -> dict[str, Any]:
+    """A completions request generating `max_tokens` for each of `prompts` prompts."""
+    texts = ["Once upon a time", "In a land far away", "It was a dark night"][:prompts]
+    return {
+        "model": MODEL_NAME,
+        "prompt": texts[0] if prompts == 1 else texts,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+def message(max_tokens: int, stream: bool) -> dict[str, Any]:
+    """An Anthropic messages request. That API has no `ignore_eos`: greedy decoding keeps the
+    tiny model (random weights) from ending early with this prompt."""
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": stream,
+    }
+
+
+def response(max_tokens: int, stream: bool, **fields: Any) -> dict[str, Any]:
+    """An OpenAI Responses API request; `fields` adds or overrides body fields."""
+    return {
+        "model": MODEL_NAME,
+        "input": "Tell me a long story.",
+        "max_output_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+        **fields,
+    }
+
+
+@dataclass(frozen=True)
+class GenerationRoute:
+    """A route the tiny model generates on, and the engine request IDs vLLM runs a request
+    of it under, as vLLM's log names them (`{id}`: tether's internal ID)."""
+
+    name: str
+    path: str
+    make_body: Callable[[int, bool], dict[str, Any]]
+    engine_ids: tuple[str, ...]
+    # The `id` the client gets (`{client}`: its X-Request-Id, `{id}`: tether's ID).
+    client_id: str
+
+    def body(self, max_tokens: int, stream: bool) -> dict[str, Any]:
+        return self.make_body(max_tokens, stream)
+
+    def engine_request_ids(self, internal_request_id: str) -> list[str]:
+        return [pattern.format(id=internal_request_id) for pattern in self.engine_ids]
+
+    def id_for_client(self, client_request_id: str, internal_request_id: str) -> str:
+        return self.client_id.format(client=client_request_id, id=internal_request_id)
+
+    def __str__(self) -> str:  # the test ID
+        return self.name
+
+
+# Verified by the tests themselves: every ID here is the one vLLM logs as "Received request".
+ROUTES = {
+    route.name: route
+    for route in (
+        GenerationRoute("chat", CHAT_PATH, chat, ("chatcmpl-{id}",), "chatcmpl-{client}"),
+        GenerationRoute(
+            "completions", "/v1/completions", completion, ("cmpl-{id}-0",), "cmpl-{client}"
+        ),
+        GenerationRoute(
+            "completions-2-prompts",
+            "/v1/completions",
+            lambda max_tokens, stream: completion(max_tokens, stream, prompts=2),
+            ("cmpl-{id}-0", "cmpl-{id}-1"),
+            "cmpl-{client}",
+        ),
+        GenerationRoute(
+            "messages", "/v1/messages", message, ("chatcmpl-{id}",), "chatcmpl-{client}"
+        ),
+        # The Responses API's ID is the client's handle for follow-up calls: not mapped back.
+        GenerationRoute("responses", "/v1/responses", response, ("resp_{id}_0",), "resp_{id}"),
+    )
+}
+
+
+def response_id(event: dict[str, Any]) -> str | None:
+    """The `id` a route's first event or JSON answer gives the client (chat, completions:
+    `id`; Anthropic `message_start`: `message.id`; Responses `response.created`:
+    `response.id`)."""
+    for holder in (event, event.get("message"), event.get("response")):
+        if isinstance(holder, dict) and isinstance(holder.get("id"), str):
+            return str(holder["id"])
+    return None
+
+
 def via_tether(stack: Stack, client_request_id: str, max_tokens: int, stream: bool) -> RawExchange:
     return RawExchange(
         stack.tether.port, CHAT_PATH, chat(max_tokens, stream), {"X-Request-Id": client_request_id}
@@ -75,7 +176,7 @@ def vllm_metrics(stack: Stack) -> MetricsSnapshot:
 
 
 def tether_metrics(stack: Stack) -> MetricsSnapshot:
-    return scrape(stack.tether.admin_url + "/metrics")
+    return stack.tether.metrics()
 
 
 def vllm_load(stack: Stack) -> float:
@@ -89,42 +190,42 @@ def wait_vllm_idle(stack: Stack, timeout: float = ABORT_DEADLINE) -> float:
 
 
 def admin_requests(stack: Stack) -> list[dict[str, Any]]:
-    status, body = http_get(stack.tether.admin_url + "/admin/requests")
-    assert status == 200, f"GET /admin/requests answered {status}: {body[:200]!r}"
-    listing = json.loads(body)
-    if isinstance(listing, dict):  # tolerate {"requests": [...]}
-        listing = listing.get("requests", [])
-    return list(listing)
+    return stack.tether.in_flight_requests()
 
 
 def wait_in_flight(stack: Stack, client_request_id: str, timeout: float = 10.0) -> dict[str, Any]:
     """tether's in-flight entry for `client_request_id`, once it is there."""
-    found: list[dict[str, Any]] = []
-
-    def listed() -> bool:
-        found[:] = [
-            r for r in admin_requests(stack) if r.get("client_request_id") == client_request_id
-        ]
-        return bool(found)
-
-    wait_until(listed, timeout, f"{client_request_id} in tether's /admin/requests", interval=0.02)
-    return found[0]
+    return stack.tether.wait_in_flight(client_request_id, timeout)
 
 
 def admin_abort(stack: Stack, client_request_id: str) -> tuple[int, bytes]:
-    status, _, body = http_post_json(
-        stack.tether.admin_url + "/admin/abort",
-        {"request_id": client_request_id},
-        headers={"Authorization": f"Bearer {stack.tether.token}"},
-        timeout=10,
-    )
-    return status, body
+    return stack.tether.abort(client_request_id)
 
 
 def received_ids(stack: Stack, mark: int) -> list[str]:
     """Request IDs (without `chatcmpl-`) vLLM logged as received after `mark`."""
     return [
         m.group(1) for m in stack.vllm.log.find_since(mark, r"Received request chatcmpl-([^\s:]+):")
+    ]
+
+
+def engine_ids_received(stack: Stack, mark: int, internal_request_id: str) -> list[str]:
+    """The engine request IDs vLLM logged as received after `mark` that contain tether's ID."""
+    return [
+        m.group(1)
+        for m in stack.vllm.log.find_since(mark, r"Received request (\S+): ")
+        if internal_request_id in m.group(1)
+    ]
+
+
+def engine_aborts(stack: Stack, mark: int, internal_request_id: str) -> list[str]:
+    """What each `Aborted request(s) <ids>.` line vLLM logged after `mark` that names tether's
+    ID says (`<ids>`). An abort by the route logs the IDs as asked; one vLLM made itself after
+    a dropped connection logs its internal form, `<engine id>-<8 hex>`."""
+    return [
+        m.group(1)
+        for m in stack.vllm.log.find_since(mark, r"Aborted request\(s\) (\S+)\.$")
+        if internal_request_id in m.group(1)
     ]
 
 
@@ -138,19 +239,68 @@ def wait_engine_abort(stack: Stack, mark: int, internal_request_id: str) -> str:
     return match.group(0)
 
 
+def generated_tokens(stack: Stack) -> float:
+    """vLLM's `vllm:generation_tokens_total` (it counts aborted requests' tokens too)."""
+    return vllm_metrics(stack).value("vllm:generation_tokens_total")
+
+
+def leave_stream(
+    stack: Stack, route: GenerationRoute, client_request_id: str
+) -> tuple[str, float, list[dict[str, Any]]]:
+    """Stream `route` through tether, read a few events, close; (internal ID, seconds from
+    the close until vLLM runs nothing, the events read)."""
+    exchange = RawExchange(
+        stack.tether.port,
+        route.path,
+        route.body(LONG, stream=True),
+        {"X-Request-Id": client_request_id},
+    )
+    assert exchange.read_head() == 200
+    assert exchange.headers.get("x-request-id") == client_request_id
+    events = exchange.chunks(8)
+    internal_request_id = str(wait_in_flight(stack, client_request_id)["internal_request_id"])
+    closed_at = exchange.close()
+    wait_vllm_idle(stack)
+    return internal_request_id, time.monotonic() - closed_at, events
+
+
+def leave_non_streaming(
+    stack: Stack, route: GenerationRoute, client_request_id: str, after_tokens: int
+) -> tuple[str, float]:
+    """A non-streaming request through tether, closed once vLLM generated `after_tokens`
+    for it; (internal ID, seconds from the close until vLLM runs nothing)."""
+    generated_before = generated_tokens(stack)
+    exchange = RawExchange(
+        stack.tether.port,
+        route.path,
+        route.body(LONG, stream=False),
+        {"X-Request-Id": client_request_id},
+    )
+    internal_request_id = str(wait_in_flight(stack, client_request_id)["internal_request_id"])
+    wait_until(
+        lambda: generated_tokens(stack) - generated_before >= after_tokens,
+        20,
+        f"vLLM to generate {after_tokens} tokens",
+    )
+    closed_at = exchange.close()
+    wait_vllm_idle(stack)
+    return internal_request_id, time.monotonic() - closed_at
+
+
 class Saturation:
     """vLLM's 16 sequence slots filled with long streams sent straight to vLLM, so the next
-    request waits in its queue before its first token."""
+    request waits in its queue before its first token (or fewer streams: a busy engine)."""
 
     SLOTS = 16
 
-    def __init__(self, stack: Stack) -> None:
+    def __init__(self, stack: Stack, streams: int = SLOTS) -> None:
         self._stack = stack
+        self._count = streams
         self._streams: list[socket.socket] = []
 
     def __enter__(self) -> Saturation:
         body = json.dumps(chat(LONG, stream=True)).encode()
-        for index in range(self.SLOTS):
+        for index in range(self._count):
             sock = socket.create_connection(("127.0.0.1", self._stack.vllm.port), timeout=30)
             head = (
                 f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
@@ -160,9 +310,9 @@ class Saturation:
             sock.sendall(head.encode() + body)
             self._streams.append(sock)
         wait_until(
-            lambda: vllm_metrics(self._stack).value("vllm:num_requests_running") == self.SLOTS,
+            lambda: vllm_metrics(self._stack).value("vllm:num_requests_running") == self._count,
             20,
-            "vLLM to run 16 requests",
+            f"vLLM to run {self._count} requests",
         )
         return self
 

@@ -9,6 +9,7 @@ from .observe import http_post_json
 from .processes import Stack
 from .scenarios import (
     LONG,
+    STOPS_WITHIN,
     on_default,
     on_dev_mode,
     on_middleware,
@@ -37,16 +38,28 @@ def _leave_mid_stream(stack: Stack, client_request_id: str) -> tuple[str, float]
 def test_dev_mode_abort_route_gets_prefixed_internal_id(
     stack: Stack, measurements: Measurements
 ) -> None:
-    """With VLLM_SERVER_DEV_MODE=1 tether calls /abort_requests with chatcmpl-<internal id>."""
-    before = _aborts(stack, "ok")
-    mark = stack.vllm.log.mark()
+    """With VLLM_SERVER_DEV_MODE=1 tether calls /abort_requests with chatcmpl-<internal id>
+    once, vLLM answers 200 and ends the stream, and tether counts the abort confirmed."""
+    before = {result: _aborts(stack, result) for result in ("confirmed", "unconfirmed")}
+    mark, tether_mark = stack.vllm.log.mark(), stack.tether.log.mark()
     internal_request_id, elapsed = _leave_mid_stream(stack, "abort-route-1")
     # The route logs the ID exactly as sent (no engine suffix) and answers 200.
     stack.vllm.log.wait_for(
         mark, rf"Aborted request\(s\) chatcmpl-{internal_request_id}\.\s*$", timeout=5
     )
     stack.vllm.log.wait_for(mark, r'"POST /abort_requests HTTP/1\.1" 200', timeout=5)
-    assert _aborts(stack, "ok") >= before + 1
+    line = stack.tether.log.wait_json(
+        tether_mark, "abort_sent", internal_request_id=internal_request_id
+    )
+    assert line["engine_request_ids"] == [f"chatcmpl-{internal_request_id}"]
+    assert line["result"] == "confirmed" and line["attempts"] == 1, line
+    assert line["detail"].endswith("/abort_requests: 200"), line
+    assert (
+        line["latency_ms"] < STOPS_WITHIN * 1000 and line["engine_stop_ms"] < STOPS_WITHIN * 1000
+    ), line
+    assert _aborts(stack, "confirmed") == before["confirmed"] + 1
+    assert _aborts(stack, "unconfirmed") == before["unconfirmed"]
+    assert elapsed < STOPS_WITHIN
     measurements.add("abort route", "dev mode: client close -> vLLM idle (s)", elapsed)
 
 
@@ -63,7 +76,8 @@ def test_missing_abort_route_is_reported_and_drop_still_stops_work(
     )
     assert not re.search(r'"POST /abort_requests HTTP/1\.1" 200', stack.vllm.log.text_since(mark))
     assert _aborts(stack, "not_supported") >= 1
-    assert _aborts(stack, "ok") == 0
+    for result in ("confirmed", "unconfirmed", "failed"):
+        assert _aborts(stack, result) == 0, result
     measurements.add("abort route", "default: client close -> vLLM idle (s)", elapsed)
 
 

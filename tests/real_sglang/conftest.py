@@ -1,0 +1,134 @@
+"""Fixtures for the real-SGLang suite: one SGLang (CPU) + tether stack per configuration.
+
+The suite is opt-in (`TETHER_SGLANG_TESTS=1`): starting SGLang costs 30-60 s, so the normal
+unit test run skips it. Tests name the configuration they need through the `stack` fixture's
+parameter; collection is ordered by configuration so each SGLang starts exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from ..real_vllm.measurements import Measurements
+from ..real_vllm.processes import Tether
+from .measurements import IDLE_TOPIC, idle_table
+from .processes import CONFIGS, SglangInstall, Stack, StackPool, install_engine, start_tether
+
+ENABLED = os.environ.get("TETHER_SGLANG_TESTS") == "1"
+SKIP_REASON = (
+    "real SGLang suite is opt-in: set TETHER_SGLANG_TESTS=1 (see tests/real_sglang/README.md)"
+)
+MEASUREMENTS = pytest.StashKey[Measurements]()
+# Seconds one test may take, SGLang's start (up to a minute) included; the repository's
+# default pytest-timeout is sized for unit tests.
+TEST_TIMEOUT = 600
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "sglang: runs against a real SGLang (CPU); needs TETHER_SGLANG_TESTS=1"
+    )
+
+
+def _config_of(item: pytest.Item) -> str:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "stack" in callspec.params:
+        return str(callspec.params["stack"])
+    return ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = pathlib.Path(__file__).parent
+    ours = [item for item in items if here in pathlib.Path(str(item.path)).parents]
+    if not ours:
+        return
+    order = list(CONFIGS)
+    for item in ours:
+        item.add_marker(pytest.mark.sglang)
+        if config.pluginmanager.hasplugin("timeout"):
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
+        if not ENABLED:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+    # Stable sort of our items by configuration, keeping them where they were in the list.
+    positions = [index for index, item in enumerate(items) if item in ours]
+    ranked = sorted(
+        ours, key=lambda item: order.index(_config_of(item)) if _config_of(item) in order else -1
+    )
+    for index, item in zip(positions, ranked, strict=True):
+        items[index] = item
+
+
+@pytest.fixture(scope="session")
+def measurements(request: pytest.FixtureRequest) -> Measurements:
+    found = Measurements("TETHER_SGLANG_MEASUREMENTS")
+    request.config.stash[MEASUREMENTS] = found
+    return found
+
+
+@pytest.fixture(scope="session")
+def engine_install() -> SglangInstall:
+    return install_engine()
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    configured = os.environ.get("TETHER_SGLANG_LOG_DIR")
+    if configured:
+        path = pathlib.Path(configured)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("real_sglang_logs")
+
+
+@pytest.fixture(scope="session")
+def stack_pool(
+    engine_install: SglangInstall, log_dir: pathlib.Path, measurements: Measurements
+) -> Iterator[StackPool]:
+    pool = StackPool(engine_install, log_dir)
+    yield pool
+    pool.close()
+    for name, sglang_ready, total in pool.started:
+        measurements.add("startup", f"SGLang {name} ready (s)", sglang_ready)
+        measurements.add("startup", f"SGLang {name} + tether ready (s)", total)
+    for name, count in pool.tether_error_lines.items():
+        measurements.add("tether log", f"{name}: error-level lines in tether's log", count)
+
+
+@pytest.fixture
+def stack(request: pytest.FixtureRequest, stack_pool: StackPool) -> Stack:
+    """The running SGLang + tether of the configuration named by the test's parameter."""
+    return stack_pool.get(request.param)
+
+
+@pytest.fixture
+def own_tether(
+    stack: Stack, log_dir: pathlib.Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[[dict[str, str]], Tether]]:
+    """Start another tether in front of the stack's SGLang, with these TETHER_* settings;
+    stopped when the test ends."""
+    started: list[Tether] = []
+
+    def start(settings: dict[str, str]) -> Tether:
+        name = f"tether-{request.node.name}-{len(started)}".replace("/", "_")
+        started.append(start_tether(stack.sglang, log_dir / f"{name}.log", settings))
+        return started[-1]
+
+    yield start
+    for tether in started:
+        tether.process.stop()
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    found = config.stash.get(MEASUREMENTS, None)
+    if found is not None and found.rows:
+        terminalreporter.section("real SGLang measurements")
+        # The per-phase idle times are in the table; the other measurements one per line.
+        others = [line for line in found.lines() if not line.startswith(IDLE_TOPIC)]
+        for line in [*idle_table(found), "", *others]:
+            terminalreporter.write_line(line)

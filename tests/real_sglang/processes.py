@@ -1,0 +1,219 @@
+"""Starting and stopping the real SGLang (CPU) the suite drives; tether and the process
+plumbing (spawn, readiness, core pinning) are shared with the real-vLLM suite."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import time
+from dataclasses import dataclass
+
+from ..real_vllm.observe import LogFile
+from ..real_vllm.processes import REPO, Process, Tether, on_core, spawn, wait_ready
+from ..real_vllm.processes import start_tether as start_any_tether
+from ..support.net import free_port
+
+SETUP_SCRIPT = REPO / "tests" / "engines" / "sglang_cpu.sh"
+MODEL_NAME = "tiny"
+SGLANG_READY_TIMEOUT = 240.0
+# What clients send with `--api-key`; what SGLang's admin routes want with `--admin-api-key`.
+API_KEY = "real-sglang-suite-api-key"
+ADMIN_API_KEY = "real-sglang-suite-admin-key"
+
+
+@dataclass(frozen=True)
+class SglangInstall:
+    """Where tests/engines/sglang_cpu.sh put SGLang's venv and the tiny model."""
+
+    python: pathlib.Path
+    model: pathlib.Path
+
+
+def install_engine() -> SglangInstall:
+    """Run the (idempotent, cached) setup script and read its last line."""
+    result = subprocess.run(
+        ["bash", str(SETUP_SCRIPT)], check=True, capture_output=True, text=True, timeout=1200
+    )
+    values = dict(item.split("=", 1) for item in result.stdout.strip().splitlines()[-1].split())
+    return SglangInstall(
+        pathlib.Path(values["SGLANG_PYTHON"]), pathlib.Path(values["SGLANG_MODEL"])
+    )
+
+
+@dataclass(frozen=True)
+class SglangConfig:
+    """One way of running SGLang; each is started once per session."""
+
+    name: str
+    max_running_requests: int = 16
+    # Small chunks make a long prompt's prefill last seconds instead of ~50 ms, so a client
+    # can leave during it.
+    chunked_prefill_size: int | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+
+    @property
+    def abort_key(self) -> str | None:
+        """The bearer token /abort_request needs (SGLang's ADMIN_OPTIONAL level): the admin
+        key if there is one, else the API key, else none."""
+        return self.admin_api_key or self.api_key
+
+    def flags(self) -> list[str]:
+        flags = ["--max-running-requests", str(self.max_running_requests)]
+        if self.chunked_prefill_size is not None:
+            flags += ["--chunked-prefill-size", str(self.chunked_prefill_size)]
+        if self.api_key is not None:
+            flags += ["--api-key", self.api_key]
+        if self.admin_api_key is not None:
+            flags += ["--admin-api-key", self.admin_api_key]
+        return flags
+
+
+DEFAULT = SglangConfig("default")
+# One running request at a time: the next one waits in SGLang's queue.
+ONE_SLOT = SglangConfig("one-slot", max_running_requests=1, chunked_prefill_size=16)
+ADMIN_KEY = SglangConfig("admin-key", admin_api_key=ADMIN_API_KEY)
+WITH_API_KEY = SglangConfig("api-key", api_key=API_KEY)
+CONFIGS = {config.name: config for config in (DEFAULT, ONE_SLOT, ADMIN_KEY, WITH_API_KEY)}
+
+
+@dataclass
+class SglangServer:
+    config: SglangConfig
+    port: int
+    process: Process
+    ready_seconds: float
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> LogFile:
+        return self.process.log
+
+    @property
+    def client_headers(self) -> dict[str, str]:
+        """What a client must send on SGLang's normal routes (with `--api-key`)."""
+        if self.config.api_key is None:
+            return {}
+        return {"Authorization": f"Bearer {self.config.api_key}"}
+
+
+def start_sglang(
+    config: SglangConfig, install: SglangInstall, log_dir: pathlib.Path
+) -> SglangServer:
+    port = free_port()
+    env = {
+        **os.environ,
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    argv = [
+        *on_core(1),
+        str(install.python),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(install.model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--load-format",
+        "dummy",
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--disable-overlap-schedule",
+        # Without it the idle scheduler spins its core at 100 %.
+        "--sleep-on-idle",
+        "--dtype",
+        "bfloat16",
+        # The tiny model's max_position_embeddings.
+        "--context-length",
+        "2048",
+        "--max-total-tokens",
+        "32768",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # Debug level logs `Abort running request. req.rid='…'` and its queued/prefill kin.
+        "--log-level",
+        "debug",
+        # `Receive:` / `Finish:` lines naming each request's rid (level 0: no prompt text).
+        "--log-requests",
+        "--log-requests-level",
+        "0",
+        "--enable-metrics",
+        # `/v1/loads` (the suite's idle check) reads a snapshot the scheduler publishes every
+        # N decode steps (default 15: ~0.1 s here, seconds on a starved core); every step.
+        "--load-snapshot-publish-interval",
+        "1",
+        *config.flags(),
+    ]
+    process = spawn(argv, env, log_dir / f"sglang-{config.name}.log")
+    ready = wait_ready(process, f"http://127.0.0.1:{port}/health", SGLANG_READY_TIMEOUT, "SGLang")
+    return SglangServer(config, port, process, ready)
+
+
+def start_tether(
+    sglang: SglangServer, log_path: pathlib.Path, settings: dict[str, str] | None = None
+) -> Tether:
+    """tether (`TETHER_ENGINE=sglang`) in front of `sglang`, holding the key its abort calls
+    need unless `settings` say otherwise."""
+    key = sglang.config.abort_key
+    defaults = {"TETHER_UPSTREAM_ADMIN_KEY": key} if key is not None else {}
+    return start_any_tether(sglang.url, log_path, "sglang", {**defaults, **(settings or {})})
+
+
+@dataclass
+class Stack:
+    """A real SGLang with tether in front of it."""
+
+    sglang: SglangServer
+    tether: Tether
+
+    def stop(self) -> None:
+        self.tether.process.stop()
+        self.sglang.process.stop()
+
+
+class StackPool:
+    """Keeps at most one stack running (two SGLangs would fight over one core)."""
+
+    def __init__(self, install: SglangInstall, log_dir: pathlib.Path) -> None:
+        self._install = install
+        self.log_dir = log_dir
+        self._current: Stack | None = None
+        self.started: list[tuple[str, float, float]] = []
+        self.tether_error_lines: dict[str, int] = {}
+
+    def get(self, name: str) -> Stack:
+        if self._current is not None and self._current.sglang.config.name == name:
+            return self._current
+        self.close()
+        started = time.monotonic()
+        sglang = start_sglang(CONFIGS[name], self._install, self.log_dir)
+        try:
+            tether = start_tether(sglang, self.log_dir / f"tether-{name}.log")
+        except BaseException:
+            sglang.process.stop()
+            raise
+        self._current = Stack(sglang, tether)
+        self.started.append((name, sglang.ready_seconds, time.monotonic() - started))
+        return self._current
+
+    def close(self) -> None:
+        if self._current is not None:
+            name = self._current.sglang.config.name
+            self.tether_error_lines[name] = self._current.tether.log.text_since(0).count(
+                '"level": "error"'
+            )
+            self._current.stop()
+            self._current = None

@@ -1,0 +1,199 @@
+"""The clients people really use, against tether in front of the real SGLang: the openai SDK
+and aiperf's request cancellation."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import time
+from typing import Any
+
+import pytest
+
+from ..real_vllm.measurements import Measurements
+from ..real_vllm.processes import REPO, on_core
+from .processes import MODEL_NAME, SglangInstall, Stack
+from .scenarios import (
+    LONG,
+    PROMPTLY,
+    aborted_rids,
+    aborts,
+    finished_rids,
+    on_default,
+    received_rids,
+    sglang_load,
+    sglang_metrics,
+    wait_abort_logged,
+    wait_sglang_idle,
+)
+
+AIPERF_SETUP = REPO / "tests" / "engines" / "aiperf.sh"
+
+
+def _openai_client(stack: Stack) -> Any:
+    import openai  # installed by .ci/sglang-suite.sh; only needed when the suite runs
+
+    return openai.OpenAI(
+        base_url=stack.tether.url + "/v1", api_key="unused", max_retries=0, timeout=60
+    )
+
+
+@on_default
+def test_openai_sdk_stream_closed_early_aborts_in_sglang(
+    stack: Stack, measurements: Measurements
+) -> None:
+    """The openai SDK: break out of a stream after a few chunks and close it; SGLang aborts
+    tether's rid at once, and every chunk carried the client's own ID."""
+    client = _openai_client(stack)
+    mark = stack.sglang.log.mark()
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=LONG,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "openai-sdk-stream-1"},
+    )
+    ids = []
+    for chunk in stream:
+        ids.append(chunk.id)
+        if len(ids) == 5:
+            break
+    internal_request_id = stack.tether.wait_in_flight("openai-sdk-stream-1")["internal_request_id"]
+    closed_at = time.monotonic()
+    stream.close()
+    wait_sglang_idle(stack)
+    elapsed = time.monotonic() - closed_at
+    wait_abort_logged(stack, mark, internal_request_id)
+    assert set(ids) == {"openai-sdk-stream-1"}
+    assert elapsed < PROMPTLY
+    measurements.add("real clients", "openai SDK stream.close() -> SGLang idle (s)", elapsed)
+
+
+@on_default
+def test_openai_sdk_non_streaming_sees_client_id(stack: Stack) -> None:
+    """The openai SDK gets its X-Request-Id back in the header and as the completion's ID."""
+    client = _openai_client(stack)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=16,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "openai-sdk-plain-1"},
+    )
+    completion = raw.parse()
+    assert raw.headers.get("x-request-id") == "openai-sdk-plain-1"
+    assert completion.id == "openai-sdk-plain-1"
+    assert completion.usage is not None and completion.usage.completion_tokens == 16
+
+
+@pytest.fixture(scope="session")
+def aiperf() -> pathlib.Path:
+    result = subprocess.run(
+        ["bash", str(AIPERF_SETUP)], check=True, capture_output=True, text=True, timeout=1200
+    )
+    return pathlib.Path(result.stdout.strip().splitlines()[-1].split("=", 1)[1])
+
+
+@on_default
+@pytest.mark.parametrize("delay", [0.0, 0.3], ids=["cancel-at-send", "cancel-after-0.3s"])
+def test_aiperf_cancellations_all_stop_in_sglang(
+    stack: Stack,
+    aiperf: pathlib.Path,
+    engine_install: SglangInstall,
+    delay: float,
+    tmp_path: pathlib.Path,
+    measurements: Measurements,
+) -> None:
+    """aiperf cancels some requests: tether counts exactly those as disconnects, SGLang aborts
+    every one that reached it, finishes all the others, and ends up running nothing."""
+    requests = 24
+    disconnects_before = stack.tether.metrics().value("tether_client_disconnects_total")
+    aborts_before = aborts(stack.tether)
+    aborted_before = sglang_metrics(stack).value("sglang:num_aborted_requests_total")
+    mark = stack.sglang.log.mark()
+    # aiperf refuses a local tokenizer directory when HF offline mode is set at all (it then
+    # only looks in the hub cache); the directory is local, so nothing is downloaded.
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    }
+    argv = [
+        *on_core(0),
+        str(aiperf),
+        "profile",
+        "--model",
+        MODEL_NAME,
+        "--url",
+        stack.tether.url,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--tokenizer",
+        str(engine_install.model),
+        "--request-count",
+        str(requests),
+        "--concurrency",
+        "4",
+        "--request-cancellation-rate",
+        "50",
+        "--request-cancellation-delay",
+        str(delay),
+        "--isl",
+        "32",
+        "--osl",
+        "600",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--use-server-token-count",
+        "--random-seed",
+        "7",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+        "--ui",
+        "none",
+        "--artifact-dir",
+        str(tmp_path / "aiperf"),
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "aiperf" / "profile_export.jsonl").read_text().splitlines()
+    ]
+    cancelled = sum(1 for r in records if r["metadata"].get("was_cancelled"))
+    other_errors = [
+        r["error"] for r in records if r.get("error") and not r["metadata"].get("was_cancelled")
+    ]
+    wait_sglang_idle(stack, timeout=10)
+    disconnects = (
+        stack.tether.metrics().value("tether_client_disconnects_total") - disconnects_before
+    )
+    received = set(received_rids(stack, mark))
+    aborted = aborted_rids(stack, mark)
+    finished = len(finished_rids(stack, mark, "length"))
+    name = f"aiperf delay {delay}s"
+    measurements.add(name, "requests sent", len(records))
+    measurements.add(name, "cancelled by aiperf", cancelled)
+    measurements.add(name, "tether client disconnects", disconnects)
+    measurements.add(name, "tether abort calls (any result)", aborts(stack.tether) - aborts_before)
+    measurements.add(name, "SGLang received (tether rids)", len(received))
+    measurements.add(name, "SGLang aborted (tether rids)", len(aborted))
+    measurements.add(name, "SGLang finished (length)", finished)
+    measurements.add(
+        name,
+        "sglang:num_aborted_requests_total delta",
+        sglang_metrics(stack).value("sglang:num_aborted_requests_total") - aborted_before,
+    )
+    assert len(records) == requests and not other_errors, other_errors[:3]
+    assert 0 < cancelled < requests
+    assert disconnects == cancelled
+    assert finished == requests - cancelled
+    assert aborted <= received
+    assert len(received) == finished + len(aborted), (
+        "a request reached SGLang and neither finished nor aborted"
+    )
+    if delay > 0:  # every cancelled request had reached SGLang by then
+        assert len(aborted) == cancelled
+    assert sglang_load(stack).running == 0
