@@ -219,6 +219,24 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
 async def _forward(
     request: web.BaseRequest, cycle: RequestCycle, ctx: ProxyContext
 ) -> web.StreamResponse:
+    upstream = await _send(request, cycle, ctx)
+    cycle.state.phase = Phase.WAITING
+    response_head = await upstream.wait_head()
+    mapper = _id_mapper(response_head, cycle)
+    tokens = TokenCounter(cycle.route.tokens if cycle.route is not None else TokenShape.NONE)
+    cycle.relay = relay = ResponseRelay(upstream, tokens, mapper)
+    cycle.state.relay = relay
+    length = response_head.content_length
+    if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
+        return await _relay_whole(response_head, cycle, ctx, mapper)
+    return await _relay_stream(request, response_head, cycle, ctx, mapper)
+
+
+async def _send(
+    request: web.BaseRequest, cycle: RequestCycle, ctx: ProxyContext
+) -> UpstreamExchange:
+    """The client's request, sent to the engine (its own coroutine, so that what it built,
+    the head and body among them, is freed for the rest of a long stream)."""
     state = cycle.state
     settings = ctx.settings
     outgoing = await outgoing_body(
@@ -259,16 +277,7 @@ async def _forward(
     cycle.upstream = upstream = ctx.upstream.exchange(request.method)
     state.upstream_contacted = True
     await upstream.send(head, body, chunked=chunked)
-    state.phase = Phase.WAITING
-    response_head = await upstream.wait_head()
-    mapper = _id_mapper(response_head, cycle)
-    tokens = TokenCounter(cycle.route.tokens if cycle.route is not None else TokenShape.NONE)
-    cycle.relay = relay = ResponseRelay(upstream, tokens, mapper)
-    state.relay = relay
-    length = response_head.content_length
-    if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
-        return await _relay_whole(response_head, cycle, ctx, mapper)
-    return await _relay_stream(request, response_head, cycle, ctx, mapper)
+    return upstream
 
 
 def _id_mapper(head: ResponseHead, cycle: RequestCycle) -> IdMapper | None:

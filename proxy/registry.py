@@ -79,22 +79,34 @@ class Registry:
 
     def __init__(self) -> None:
         self._by_internal: dict[str, RequestState] = {}
-        self._by_client: dict[str, set[str]] = {}
+        # Client ID → its one internal ID, or the set of them when a client ID is in flight
+        # more than once (rare: a set per request would cost 200 bytes each).
+        self._by_client: dict[str, str | set[str]] = {}
         self._empty = asyncio.Event()
         self._empty.set()
 
     def add(self, state: RequestState) -> None:
         self._by_internal[state.internal_request_id] = state
         self._empty.clear()
-        self._by_client.setdefault(state.client_request_id, set()).add(state.internal_request_id)
+        client, internal = state.client_request_id, state.internal_request_id
+        known = self._by_client.get(client)
+        if known is None:
+            self._by_client[client] = internal
+        elif isinstance(known, set):
+            known.add(internal)
+        else:
+            self._by_client[client] = {known, internal}
 
     def remove(self, state: RequestState) -> None:
         self._by_internal.pop(state.internal_request_id, None)
-        siblings = self._by_client.get(state.client_request_id)
-        if siblings is not None:
-            siblings.discard(state.internal_request_id)
-            if not siblings:
-                del self._by_client[state.client_request_id]
+        client, internal = state.client_request_id, state.internal_request_id
+        known = self._by_client.get(client)
+        if isinstance(known, set):
+            known.discard(internal)
+            if len(known) == 1:
+                self._by_client[client] = known.pop()
+        elif known == internal:
+            del self._by_client[client]
         if not self._by_internal:
             self._empty.set()
 
@@ -104,7 +116,8 @@ class Registry:
 
     def find(self, request_id: str) -> list[RequestState]:
         """Every in-flight request with this client ID, or the one with this internal ID."""
-        internal_ids = self._by_client.get(request_id, ())
+        known = self._by_client.get(request_id)
+        internal_ids = (known,) if isinstance(known, str) else (known or ())
         found = [self._by_internal[internal] for internal in internal_ids]
         if not found and request_id in self._by_internal:
             found.append(self._by_internal[request_id])

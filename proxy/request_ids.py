@@ -10,6 +10,7 @@ from typing import Any
 MAX_CLIENT_REQUEST_ID_LENGTH = 256
 INTERNAL_REQUEST_ID_LENGTH = 32
 
+_HEX_BYTES = frozenset(b"0123456789abcdef")
 # Visible ASCII only: no spaces, no control characters (CR/LF header and log injection).
 _VISIBLE_ASCII = frozenset(range(0x21, 0x7F))
 
@@ -103,7 +104,9 @@ class IdMapper:
 
     def __init__(self, internal_request_id: str, replacement: bytes) -> None:
         self._needle = internal_request_id.encode()
-        self._needle_bytes = frozenset(self._needle)
+        # tether's own IDs are hex: one shared set instead of one per stream.
+        needle_bytes = frozenset(self._needle)
+        self._needle_bytes = _HEX_BYTES if needle_bytes <= _HEX_BYTES else needle_bytes
         self._replacement = replacement
         self._held = b""
 

@@ -275,6 +275,7 @@ class UpstreamExchange:
 
     def _on_head(self, head: ResponseHead) -> None:
         self.head = head
+        self._request = None  # answered: it will not be sent again, so not kept either
         self._signal()
         if self._head_only:
             # llhttp cannot know that a HEAD response has no body: the message ends here,
@@ -324,6 +325,25 @@ class UpstreamExchange:
 
 class UpstreamConnection(asyncio.Protocol):
     """One TCP connection to the engine; llhttp calls the `on_*` methods as it parses."""
+
+    # One per open stream: no per-instance dict.
+    __slots__ = (
+        "_drained",
+        "_head_size",
+        "_headers",
+        "_in_head",
+        "_parser",
+        "_pool",
+        "_reason",
+        "_unparsed_head",
+        "_write_paused",
+        "closed",
+        "exchange",
+        "idle_since",
+        "received",
+        "reused",
+        "transport",
+    )
 
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
