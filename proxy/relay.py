@@ -16,6 +16,10 @@ from .request_ids import IdMapper
 from .tokens import TokenCounter
 from .upstream_protocol import UpstreamExchange
 
+# Below this a chunk is copied into its chunked framing (one buffer is cheaper to send than
+# three); above it the framing goes out beside it (aiohttp's own threshold).
+_COPY_BELOW = 2048
+
 
 class _Mode(Enum):
     HOLD = 0  # nothing decided yet: chunks are counted only (waiting for the client side)
@@ -117,7 +121,12 @@ class ResponseRelay:
         if transport.is_closing():
             self._client_left()
             return
-        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self._chunked else chunk)
+        if not self._chunked:
+            transport.write(chunk)
+        elif len(chunk) < _COPY_BELOW:
+            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        else:  # a large read (the engine outpacing the client): framed without a copy
+            transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
         self.bytes_out += len(chunk)
         if self._is_sse:
             self.sse_events += chunk.count(b"\n\n")

@@ -328,6 +328,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     # One per open stream: no per-instance dict.
     __slots__ = (
+        "_body",
         "_drained",
         "_head_size",
         "_headers",
@@ -348,6 +349,7 @@ class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
         self._parser = httptools.HttpResponseParser(self)
+        self._body: list[bytes] = []  # the body pieces of the read being parsed
         self.transport: asyncio.Transport | None = None
         self.exchange: UpstreamExchange | None = None
         self.closed = False
@@ -379,8 +381,10 @@ class UpstreamConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
+            self._deliver_body()
             self._fail(UpstreamProtocolError("the engine switched protocols unasked"))
         except httptools.HttpParserError as exc:
+            self._deliver_body()  # what arrived before the fault still goes where it belongs
             # A callback below that refused the reply raised a TetherError, which llhttp
             # reports as the context of its own error.
             cause = exc.__context__
@@ -392,6 +396,7 @@ class UpstreamConnection(asyncio.Protocol):
                 )
             )
             return
+        self._deliver_body()
         if self._in_head and self.exchange is not None:
             # llhttp buffers a header that has not ended yet without bound: whatever arrived
             # while the head is still incomplete counts against its limit.
@@ -456,13 +461,30 @@ class UpstreamConnection(asyncio.Protocol):
             )
 
     def on_body(self, body: bytes) -> None:
+        # An engine frames every event as its own HTTP chunk; when it outpaces the relay a
+        # read holds hundreds of them. The pieces of one read go on together, after it is
+        # parsed (`_deliver_body`): one pass through the relay per read, not per event.
+        self._body.append(body)
+
+    def _deliver_body(self) -> None:
+        body = self._body
+        if not body:
+            return
+        chunk = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
         exchange = self.exchange
-        if exchange is not None:
-            exchange._on_body(body)
+        if exchange is None:
+            return
+        sink = exchange._sink
+        if sink is not None and exchange.first_body_at is not None and not exchange._watch_silence:
+            sink.feed(chunk)  # the steady state of a stream: nothing else to note per read
+        else:
+            exchange._on_body(chunk)
 
     def on_message_complete(self) -> None:
         if self._in_head:
             return  # the end of a 1xx message
+        self._deliver_body()
         self._in_head = True
         self._head_size = self._unparsed_head = 0
         exchange = self.exchange
