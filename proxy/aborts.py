@@ -174,7 +174,8 @@ class AbortTracker:
                 consequence="the dropped upstream connection is the only abort signal",
             )
             return False
-        if not self._candidates(self._engine.abort_calls(request.engine_request_ids)):
+        # Which routes are missing does not depend on the IDs: the first stands for all.
+        if not self._candidates(self._engine.abort_calls(request.engine_request_ids[:1])):
             request.upstream.close()  # every abort route answered as missing, recently
             self._count(AbortResult.NOT_SUPPORTED, request.span)
             return False
@@ -349,7 +350,22 @@ class AbortTracker:
         return tuple(call for call in calls if self._missing_until.get(call.url, 0) <= now)
 
     async def _send(self, engine_request_ids: tuple[str, ...]) -> CallOutcome:
-        """One abort naming these IDs, on the first route the engine supports."""
+        """One abort naming these IDs, on the first route the engine supports; one per ID,
+        made together, where the engine's abort names a single request (an SGLang batch)."""
+        if len(engine_request_ids) == 1 or self._engine.merges_aborts:
+            return await self._send_naming(engine_request_ids)
+        outcomes = await asyncio.gather(
+            *(self._send_naming((engine_request_id,)) for engine_request_id in engine_request_ids)
+        )
+        attempts = sum(attempts for _, attempts, _ in outcomes)
+        # Accepted only if every call was; else the first that was not says why.
+        result, _, detail = next(
+            (outcome for outcome in outcomes if outcome[0] is not _CallResult.ACCEPTED),
+            outcomes[0],
+        )
+        return result, attempts, detail
+
+    async def _send_naming(self, engine_request_ids: tuple[str, ...]) -> CallOutcome:
         calls = self._candidates(self._engine.abort_calls(engine_request_ids))
         if not calls:
             return _CallResult.NOT_SUPPORTED, 0, "every abort route answered as missing"

@@ -58,9 +58,11 @@ class Route:
     engine_id: str | None
     tokens: TokenShape
     body_fields: tuple[BodyField, ...] = ()
-    # A JSON body field whose items the engine runs as separate requests, `{index}` in
-    # `engine_id` numbering them (vLLM: one request per completion prompt).
-    fan_out: str | None = None
+    # JSON body fields (the first one present counts) whose list of prompts makes a batch the
+    # engine runs as separate requests, each named by `batch_engine_id` (`{index}` numbering
+    # them); a body without a list there is one request, named by `engine_id`.
+    fan_out: tuple[str, ...] = ()
+    batch_engine_id: str | None = None
     # False when the engine ID is the client's handle for follow-up calls (Responses API:
     # `GET /v1/responses/{id}`, `previous_response_id`): it is then returned as the engine
     # made it, and tether makes it unique, instead of mapping it back to the client's ID.
@@ -74,15 +76,17 @@ class Route:
     rid_header_honoured: bool = False
 
     def engine_request_ids(
-        self, internal_request_id: str, items: int = 1, samples: int = 1
+        self, internal_request_id: str, batch: int | None = None, samples: int = 1
     ) -> tuple[str, ...]:
-        """What the engine's abort API must name to stop this request; () when unknown."""
+        """What the engine's abort API must name to stop this request (`batch`: how many
+        prompts the body's list held, None when it held one prompt); () when unknown."""
         if self.engine_id is None or (self.samples_unnamed and samples > 1):
             return ()
-        if self.fan_out is None:
+        if batch is None or self.batch_engine_id is None:
             return (self.engine_id.format(id=internal_request_id),)
         return tuple(
-            self.engine_id.format(id=internal_request_id, index=index) for index in range(items)
+            self.batch_engine_id.format(id=internal_request_id, index=index)
+            for index in range(batch)
         )
 
 
@@ -97,10 +101,11 @@ _VLLM_ROUTES = (
     # One engine request per prompt, `cmpl-<id>-<prompt index>`, even for a single prompt.
     Route(
         "/v1/completions",
-        "cmpl-{id}-{index}",
+        "cmpl-{id}-0",
         TokenShape.COMPLETION,
         (_VLLM_REQUEST_ID,),
-        fan_out="prompt",
+        fan_out=("prompt",),
+        batch_engine_id="cmpl-{id}-{index}",
     ),
     # Anthropic messages run through the chat path: `chatcmpl-<X-Request-Id>`.
     Route("/v1/messages", "chatcmpl-{id}", TokenShape.MESSAGES),
@@ -131,14 +136,18 @@ _VLLM_ROUTES = (
 )
 
 # SGLang takes its rid from the body and uses it verbatim: as the engine ID, as the response
-# `id` and as the name `/abort_request` matches (by prefix: tether's IDs are fixed-length, so
-# no rid of tether's is a prefix of another, and `<rid>_<i>` batch items are reached through
-# `<rid>`). Started with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 it takes `X-Override-Rid`
-# first on chat and /generate: tether always sets that header to its rid too, so a client's
-# own cannot win there, and can skip the body rewrite. Two routes take their rid from another
-# field, which tether owns as well: a client's own there could be a prefix of others' rids.
+# `id` and as the name `/abort_request` matches. A batch (a list of prompts) runs as
+# `<rid>_<index>`, one per prompt. `/abort_request` ignores a rid its tokenizer manager does
+# not hold exactly, then its scheduler aborts every rid starting with it: tether names each
+# batch item, and its IDs are fixed-length, so no rid of tether's is a prefix of another's
+# (verified on 0.5.23). Started with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1 it takes
+# `X-Override-Rid` first on chat and /generate: tether always sets that header to its rid
+# too, so a client's own cannot win there, and can skip the body rewrite. Two routes take
+# their rid from another field, which tether owns as well: a client's own there could be a
+# prefix of others' rids.
 _SGLANG_RID = BodyField("rid")
 _SGLANG_RID_HEADER = "X-Override-Rid"
+_SGLANG_BATCH_ITEM = "{id}_{index}"
 _SGLANG_ROUTES = (
     Route(
         "/v1/chat/completions",
@@ -148,12 +157,24 @@ _SGLANG_ROUTES = (
         samples_unnamed=True,
         rid_header_honoured=True,
     ),
-    Route("/v1/completions", "{id}", TokenShape.COMPLETION, (_SGLANG_RID,), samples_unnamed=True),
+    Route(
+        "/v1/completions",
+        "{id}",
+        TokenShape.COMPLETION,
+        (_SGLANG_RID,),
+        fan_out=("prompt",),
+        batch_engine_id=_SGLANG_BATCH_ITEM,
+        samples_unnamed=True,
+    ),
+    # A batch of `input_embeds` is not counted (tether would name `<rid>`, which matches no
+    # item: its abort ends `unconfirmed` and the dropped connection stops it).
     Route(
         "/generate",
         "{id}",
         TokenShape.SGLANG_GENERATE,
         (_SGLANG_RID,),
+        fan_out=("text", "input_ids"),
+        batch_engine_id=_SGLANG_BATCH_ITEM,
         samples_unnamed=True,
         rid_header_honoured=True,
     ),
@@ -168,7 +189,15 @@ _SGLANG_ROUTES = (
         maps_id_back=False,
         may_run_in_background=True,
     ),
-    Route("/vertex_generate", "{id}", TokenShape.NONE, (BodyField("parameters.rid"),)),
+    # Vertex AI's `instances` are always a batch, even of one.
+    Route(
+        "/vertex_generate",
+        "{id}",
+        TokenShape.NONE,
+        (BodyField("parameters.rid"),),
+        fan_out=("instances",),
+        batch_engine_id=_SGLANG_BATCH_ITEM,
+    ),
 )
 
 
@@ -237,10 +266,11 @@ class EngineProfile:
     def abort_calls(self, engine_request_ids: tuple[str, ...]) -> tuple[AbortCall, ...]:
         """Candidate calls, in order: the first the engine supports is the one to use.
 
-        Never called with no ID: vLLM's dev route reads an empty list as "abort everything".
+        Never called with no ID: vLLM's dev route reads an empty list as "abort everything";
+        with one ID unless the engine `merges_aborts` (SGLang and templates name one request).
         """
-        assert engine_request_ids
-        engine_request_id = engine_request_ids[0]  # SGLang and templates name one request
+        assert len(engine_request_ids) == 1 or (engine_request_ids and self.merges_aborts)
+        engine_request_id = engine_request_ids[0]
         if self.engine is Engine.VLLM:
             body = json.dumps({"request_ids": list(engine_request_ids)}).encode()
             return tuple(

@@ -38,7 +38,7 @@ class AbortRoute(StrEnum):
     DEV = "dev"  # VLLM_SERVER_DEV_MODE=1: POST /abort_requests
     SCALE_OUT = "scale-out"  # --enable-scale-out: POST /inference/v1/abort_requests
     NONE = "none"  # default `vllm serve`: 404 / 403
-    SGLANG = "sglang"  # POST /abort_request {"rid": ...}, prefix match
+    SGLANG = "sglang"  # POST /abort_request {"rid": ...}: a rid it holds, then by prefix
 
 
 class GenerationState(StrEnum):
@@ -264,7 +264,13 @@ class FakeEngine:
         api = _ROUTES[request.path]
         if self.abort_route is AbortRoute.SGLANG:
             request_id = str(payload.get("rid") or os.urandom(16).hex())
-            engine_ids: tuple[str, ...] = (request_id,)
+            # A batch (a list of prompts) runs as `<rid>_<index>`, one per prompt.
+            batch = _sglang_batch(payload)
+            engine_ids: tuple[str, ...] = (
+                (request_id,)
+                if batch is None
+                else tuple(f"{request_id}_{index}" for index in range(batch))
+            )
             response_id = request_id
         elif api is Api.RESPONSES:
             # The Responses API ignores X-Request-Id; each turn runs as `<request_id>_<turn>`.
@@ -521,9 +527,18 @@ class FakeEngine:
         failure = await self._injected_failure(request.path, (rid,))
         if failure is not None:
             return failure
-        # SGLang matches by prefix, so unique fixed-length rids matter; an empty rid is
-        # ignored.
-        targets = [g for g in self.generations.values() if rid and g.engine_id.startswith(rid)]
+        # Like SGLang: a rid its tokenizer manager does not hold exactly (an empty one, a
+        # batch's `<rid>` for its `<rid>_<index>` items) is ignored; else its scheduler aborts
+        # every request starting with it, so unique fixed-length rids matter.
+        running = [g for g in self.generations.values() if g.state is GenerationState.RUNNING]
+        held = any(rid in generation.engine_ids for generation in running)
+        targets = []
+        for generation in running if held else ():
+            matched = {engine_id for engine_id in generation.engine_ids if engine_id.startswith(rid)}
+            generation.aborted_ids.update(matched)
+            if matched:
+                targets.append(generation)
+        targets = [g for g in targets if generation_fully_aborted(g)]
         return await self._abort(request.path, (rid,), targets, None)
 
     async def _injected_failure(self, path: str, ids: tuple[str, ...]) -> web.Response | None:
@@ -561,6 +576,16 @@ class FakeEngine:
                 generation.end(GenerationState.ABORTED)
         await self._notify()
         return web.json_response(reply) if reply is not None else web.Response(status=200)
+
+
+def _sglang_batch(payload: dict[str, Any]) -> int | None:
+    """How many prompts SGLang runs a body as, None for a single one: a list of strings (or of
+    token lists) in `text`, `input_ids` or `prompt`."""
+    for name in ("text", "input_ids", "prompt"):
+        value = payload.get(name)
+        if isinstance(value, list) and not (value and isinstance(value[0], int)):
+            return len(value)
+    return None
 
 
 def generation_fully_aborted(generation: Generation) -> bool:

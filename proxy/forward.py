@@ -79,8 +79,8 @@ class RequestCycle:
 
     __slots__ = (
         "background",
+        "batch",
         "client_response",
-        "fan_out",
         "relay",
         "route",
         "samples",
@@ -100,7 +100,7 @@ class RequestCycle:
         self.relay: ResponseRelay | None = None
         self.client_response: web.StreamResponse | None = None
         self.background = False  # the client asked the engine to outlive the connection
-        self.fan_out = 1  # separate engine requests the body makes
+        self.batch: int | None = None  # prompts in the body's batch; None: one prompt
         self.samples = 1  # samples it asks for (`n`)
 
 
@@ -247,7 +247,7 @@ async def _send(
         body_timeout=settings.client_body_timeout,
     )
     cycle.background = outgoing.background
-    cycle.fan_out = outgoing.items
+    cycle.batch = outgoing.batch
     cycle.samples = outgoing.samples
     headers = upstream_request_headers(
         request.headers,
@@ -450,7 +450,7 @@ def _stop_upstream(
         client_request_id=state.client_request_id,
         route_label=state.route,
         engine_request_ids=(
-            route.engine_request_ids(state.internal_request_id, cycle.fan_out, cycle.samples)
+            route.engine_request_ids(state.internal_request_id, cycle.batch, cycle.samples)
             if route is not None
             else ()
         ),

@@ -33,8 +33,8 @@ class OutgoingBody:
     # The client asked the engine to keep working after the connection closes (Responses
     # API `"background": true`): such a request is never aborted on a disconnect.
     background: bool = False
-    # How many requests the engine makes of it (the route's `fan_out` field).
-    items: int = 1
+    # How many prompts the list in the route's `fan_out` field holds; None: one prompt.
+    batch: int | None = None
     # How many samples it asks for (`n`).
     samples: int = 1
 
@@ -55,7 +55,10 @@ async def outgoing_body(
     if not request.body_exists:
         return OutgoingBody(None)
     fields = route.body_fields if route is not None else ()
-    if not (fields and _engine_reads_as_json(request)):
+    # Read whole where tether writes its ID in, or must learn from the body which engine
+    # requests it makes (a batch, n > 1) even when the ID goes in a header.
+    must_read = route is not None and bool(fields or route.fan_out or route.samples_unnamed)
+    if not (must_read and _engine_reads_as_json(request)):
         await _send_continue_if_asked(request)
         return OutgoingBody(stream_body(request, body_timeout))
     if request.content_length is not None and request.content_length > max_json_body:
@@ -74,18 +77,18 @@ async def outgoing_body(
     except InvalidJsonBody as exc:
         raise InvalidRequestBodyError(str(exc)) from None
     background = route.may_run_in_background and document.get("background") is True
-    items = _items(document.get(route.fan_out)) if route.fan_out else 1
+    batch = _batch(document, route.fan_out)
     n = document.get("n")
     samples = n if isinstance(n, int) and n > 1 else 1
     if not needed:
-        return OutgoingBody(body, background=background, items=items, samples=samples)
+        return OutgoingBody(body, background=background, batch=batch, samples=samples)
     for field in needed:
         _set_field(document, field.name, field.value.format(id=internal_request_id))
     return OutgoingBody(
         write_json_object(document),
         rewritten=True,
         background=background,
-        items=items,
+        batch=batch,
         samples=samples,
     )
 
@@ -102,12 +105,17 @@ def _set_field(document: dict[str, Any], name: str, value: str) -> None:
     document[last] = value
 
 
-def _items(value: object) -> int:
-    """How many separate prompts a `prompt`-like field holds: a string or a list of token IDs
-    is one, a list of those is one each."""
-    if isinstance(value, list) and value and not isinstance(value[0], int):
-        return len(value)
-    return 1
+def _batch(document: dict[str, Any], fields: tuple[str, ...]) -> int | None:
+    """How many prompts the first of `fields` present holds as a list (a string or a list of
+    token IDs is one prompt: None)."""
+    for name in fields:
+        value = document.get(name)
+        if value is None:
+            continue
+        if isinstance(value, list) and not (value and isinstance(value[0], int)):
+            return len(value)
+        return None
+    return None
 
 
 async def stream_body(request: web.BaseRequest, timeout: float) -> AsyncIterator[bytes]:

@@ -397,6 +397,56 @@ async def test_sglang_abort_is_confirmed_by_its_rid(
     assert aborts(server, "confirmed", engine="sglang") == 2
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"text": [CANARY_PROMPT, CANARY_PROMPT], "stream": True}),
+        ("/generate", {"input_ids": [[1, 2], [3, 4]], "stream": True}),
+        ("/v1/completions", {"prompt": [CANARY_PROMPT, CANARY_PROMPT], "stream": True}),
+    ],
+)
+async def test_sglang_batch_is_aborted_item_by_item(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, path: str, body: dict[str, Any]
+) -> None:
+    """SGLang runs a list of prompts as `<rid>_0`, `<rid>_1`, ... and ignores an abort of a
+    rid it does not hold exactly (the batch's `<rid>`): tether names every item, one call
+    each, and the abort is confirmed."""
+    engine, engine_url = await fake_engine(
+        token_interval=TOKEN_INTERVAL, abort_route=AbortRoute.SGLANG
+    )
+    server = await tether(engine_url, engine="sglang")
+    client = await start_stream(server, {**body, "max_tokens": 100_000}, path=path)
+    generation = only_generation(engine)
+
+    await leave(server, client)
+    await drained(server)
+
+    rid = generation.request_id
+    assert sorted(abort.ids for abort in engine.aborts) == [(f"{rid}_0",), (f"{rid}_1",)]
+    assert generation.state is GenerationState.ABORTED
+    assert aborts(server, "confirmed", engine="sglang") == 1
+
+
+async def test_sglang_abort_of_a_batch_by_its_rid_alone_would_stop_nothing(
+    fake_engine: FakeEngineFactory, http: aiohttp.ClientSession
+) -> None:
+    """The fake engine keeps SGLang's rule that makes naming each item necessary: `<rid>`
+    for a batch running as `<rid>_<index>` matches nothing."""
+    engine, engine_url = await fake_engine(
+        token_interval=TOKEN_INTERVAL, abort_route=AbortRoute.SGLANG
+    )
+    body = {"text": ["a", "b"], "rid": "batch", "stream": True, "max_tokens": 100_000}
+    async with http.post(f"{engine_url}/generate", json=body) as response:
+        await response.content.readline()
+        async with http.post(f"{engine_url}/abort_request", json={"rid": "batch"}) as aborted:
+            assert aborted.status == 200
+        assert engine.generation("batch").state is GenerationState.RUNNING
+        for item in ("batch_0", "batch_1"):
+            async with http.post(f"{engine_url}/abort_request", json={"rid": item}):
+                pass
+        assert engine.generation("batch").state is GenerationState.ABORTED
+
+
 async def test_tokens_relayed_come_from_usage_when_the_client_asked_for_it(
     fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
 ) -> None:

@@ -160,7 +160,7 @@ def test_every_named_engine_id_contains_tethers_id() -> None:
     routes that carry tokens say how."""
     for engine in (Engine.VLLM, Engine.SGLANG):
         for route in route_table(engine):
-            ids = route.engine_request_ids("i" * 32, items=2)
+            ids = route.engine_request_ids("i" * 32, batch=2)
             assert all("i" * 32 in engine_id for engine_id in ids)
             if ids:
                 assert route.tokens is not TokenShape.NONE or route.path == "/vertex_generate"

@@ -19,6 +19,7 @@ from .scenarios import (
     chat,
     direct,
     on_default,
+    tether_events,
     via_tether,
     wait_abort_logged,
     wait_load,
@@ -97,8 +98,10 @@ def _with_chosen_rid(path: str, rid: str) -> dict[str, Any]:
 def test_client_chosen_rid_never_aborts_other_clients(stack: Stack, path: str) -> None:
     """SGLang takes the rid of /v1/responses from `request_id` and of /vertex_generate from
     `parameters.rid`: tether writes its own there too, so a client that puts another
-    request's rid prefix there and leaves aborts only its own request."""
-    mark = stack.sglang.log.mark()
+    request's rid prefix there and leaves aborts only its own request, at once (Vertex's
+    instances are a batch: SGLang runs them as `<rid>_<index>`, and tether names those)."""
+    wait_sglang_idle(stack)  # no abort of an earlier test's request still on its way
+    mark, tether_mark = stack.sglang.log.mark(), stack.tether.log.mark()
     with via_tether(stack, "bystander", CHAT_PATH, chat(LONG, stream=True)) as bystander:
         assert bystander.read_head() == 200
         bystander.chunks(3)
@@ -115,7 +118,18 @@ def test_client_chosen_rid_never_aborts_other_clients(stack: Stack, path: str) -
             "SGLang to abort the leaver",
         )
         more = bystander.chunks(5)  # an aborted stream would end here, finish_reason "abort"
+        aborted = aborted_rids(stack, mark)
     assert [c["choices"][0]["finish_reason"] for c in more] == [None] * 5
-    aborted = aborted_rids(stack, mark)
     assert bystander_rid not in aborted and prefix not in aborted
     assert all(leaver_rid in rid for rid in aborted)
+
+    # By tether's abort, not SGLang's own 4 s poll of the dropped connection.
+    def sent() -> list[dict[str, Any]]:
+        return [
+            entry
+            for entry in tether_events(stack.tether, tether_mark, "abort_sent")
+            if entry.get("client_request_id") == "chooses-its-rid"
+        ]
+
+    wait_until(lambda: bool(sent()), 5, "tether's abort_sent line")
+    assert [entry["result"] for entry in sent()] == ["confirmed"], sent()
