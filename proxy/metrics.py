@@ -190,7 +190,8 @@ class Metrics:
             "tether_tokens_relayed",
             "Completion tokens relayed to clients, by route: the engine's usage count where "
             "it reports one, else token-carrying stream events (one token each with vLLM's "
-            "and SGLang's default stream settings).",
+            "default stream settings; SGLang coalesces tokens into one event when its HTTP "
+            "handler falls behind, so there the count is a lower bound).",
             ("route",),
         )
         self.tokens_after_disconnect = Counter(

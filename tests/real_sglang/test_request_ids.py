@@ -100,7 +100,8 @@ def test_client_id_in_every_chunk_body_and_header(stack: Stack, path: str, strea
         assert exchange.read_head() == 200
         chunks = _streamed_chunks(exchange) if stream else [json.loads(exchange.body())]
     assert exchange.headers.get("x-request-id") == client_request_id
-    assert len(chunks) >= (20 if stream else 1)
+    # 20 tokens, in fewer chunks when SGLang coalesces tokens its HTTP handler fell behind on.
+    assert len(chunks) >= (2 if stream else 1)
     assert {response_id(chunk) for chunk in chunks} == {client_request_id}
 
 
