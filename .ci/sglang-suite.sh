@@ -5,7 +5,7 @@
 # Assumes tether is pip-installed in the active Python environment. Installs what else it
 # needs: curl/taskset/venv support from Debian if missing, the openai SDK into the active
 # environment, SGLang and aiperf into their own cached venvs (tests/engines/*.sh).
-# About 8 minutes with warm caches, 11-12 minutes from nothing, on 2 cores.
+# About 5.5 min with warm caches (8 on a busy machine), 9 min from nothing, on 2 cores.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -4,7 +4,7 @@
 # Assumes tether is pip-installed in the active Python environment. Installs what else it
 # needs: curl/taskset/venv support from Debian if missing, the openai SDK into the active
 # environment, vLLM and aiperf into their own cached venvs (tests/engines/*.sh).
-# About 4 minutes with warm caches, 8-9 minutes from nothing, on 2 cores.
+# About 5 minutes with warm caches, 9-10 minutes from nothing, on 2 cores.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -534,7 +534,9 @@ class FakeEngine:
         held = any(rid in generation.engine_ids for generation in running)
         targets = []
         for generation in running if held else ():
-            matched = {engine_id for engine_id in generation.engine_ids if engine_id.startswith(rid)}
+            matched = {
+                engine_id for engine_id in generation.engine_ids if engine_id.startswith(rid)
+            }
             generation.aborted_ids.update(matched)
             if matched:
                 targets.append(generation)
