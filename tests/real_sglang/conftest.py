@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from ..real_vllm.collection import prepare_suite
 from ..real_vllm.measurements import Measurements
 from ..real_vllm.processes import Tether
 from .measurements import IDLE_TOPIC, idle_table
@@ -23,9 +24,6 @@ SKIP_REASON = (
     "real SGLang suite is opt-in: set TETHER_SGLANG_TESTS=1 (see tests/real_sglang/README.md)"
 )
 MEASUREMENTS = pytest.StashKey[Measurements]()
-# Seconds one test may take, SGLang's start (up to a minute) included; the repository's
-# default pytest-timeout is sized for unit tests.
-TEST_TIMEOUT = 600
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,32 +32,15 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _config_of(item: pytest.Item) -> str:
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and "stack" in callspec.params:
-        return str(callspec.params["stack"])
-    return ""
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = pathlib.Path(__file__).parent
-    ours = [item for item in items if here in pathlib.Path(str(item.path)).parents]
-    if not ours:
-        return
-    order = list(CONFIGS)
-    for item in ours:
-        item.add_marker(pytest.mark.sglang)
-        if config.pluginmanager.hasplugin("timeout"):
-            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
-        if not ENABLED:
-            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
-    # Stable sort of our items by configuration, keeping them where they were in the list.
-    positions = [index for index, item in enumerate(items) if item in ours]
-    ranked = sorted(
-        ours, key=lambda item: order.index(_config_of(item)) if _config_of(item) in order else -1
+    prepare_suite(
+        config,
+        items,
+        suite_dir=pathlib.Path(__file__).parent,
+        marker=pytest.mark.sglang,
+        configurations=CONFIGS,
+        skip_reason=None if ENABLED else SKIP_REASON,
     )
-    for index, item in zip(positions, ranked, strict=True):
-        items[index] = item
 
 
 @pytest.fixture(scope="session")

@@ -3,17 +3,14 @@ and aiperf's request cancellation."""
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
 import time
 from typing import Any
 
 import pytest
 
+from ..real_vllm.aiperf import install_aiperf, run_with_cancellations
 from ..real_vllm.measurements import Measurements
-from ..real_vllm.processes import REPO, on_core
 from .processes import MODEL_NAME, SglangInstall, Stack
 from .scenarios import (
     LONG,
@@ -28,8 +25,6 @@ from .scenarios import (
     wait_abort_logged,
     wait_sglang_idle,
 )
-
-AIPERF_SETUP = REPO / "tests" / "engines" / "aiperf.sh"
 
 
 def _openai_client(stack: Stack) -> Any:
@@ -91,10 +86,7 @@ def test_openai_sdk_non_streaming_sees_client_id(stack: Stack) -> None:
 
 @pytest.fixture(scope="session")
 def aiperf() -> pathlib.Path:
-    result = subprocess.run(
-        ["bash", str(AIPERF_SETUP)], check=True, capture_output=True, text=True, timeout=1200
-    )
-    return pathlib.Path(result.stdout.strip().splitlines()[-1].split("=", 1)[1])
+    return install_aiperf()
 
 
 @on_default
@@ -114,58 +106,9 @@ def test_aiperf_cancellations_all_stop_in_sglang(
     aborts_before = aborts(stack.tether)
     aborted_before = sglang_metrics(stack).value("sglang:num_aborted_requests_total")
     mark = stack.sglang.log.mark()
-    # aiperf refuses a local tokenizer directory when HF offline mode is set at all (it then
-    # only looks in the hub cache); the directory is local, so nothing is downloaded.
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    }
-    argv = [
-        *on_core(0),
-        str(aiperf),
-        "profile",
-        "--model",
-        MODEL_NAME,
-        "--url",
-        stack.tether.url,
-        "--endpoint-type",
-        "chat",
-        "--streaming",
-        "--tokenizer",
-        str(engine_install.model),
-        "--request-count",
-        str(requests),
-        "--concurrency",
-        "4",
-        "--request-cancellation-rate",
-        "50",
-        "--request-cancellation-delay",
-        str(delay),
-        "--isl",
-        "32",
-        "--osl",
-        "600",
-        "--extra-inputs",
-        "ignore_eos:true",
-        "--use-server-token-count",
-        "--random-seed",
-        "7",
-        "--no-server-metrics",
-        "--no-gpu-telemetry",
-        "--ui",
-        "none",
-        "--artifact-dir",
-        str(tmp_path / "aiperf"),
-    ]
-    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = [
-        json.loads(line)
-        for line in (tmp_path / "aiperf" / "profile_export.jsonl").read_text().splitlines()
-    ]
-    cancelled = sum(1 for r in records if r["metadata"].get("was_cancelled"))
-    other_errors = [
-        r["error"] for r in records if r.get("error") and not r["metadata"].get("was_cancelled")
-    ]
+    run = run_with_cancellations(
+        aiperf, stack.tether.url, engine_install.model, requests, delay, tmp_path / "aiperf"
+    )
     wait_sglang_idle(stack, timeout=10)
     disconnects = (
         stack.tether.metrics().value("tether_client_disconnects_total") - disconnects_before
@@ -174,8 +117,8 @@ def test_aiperf_cancellations_all_stop_in_sglang(
     aborted = aborted_rids(stack, mark)
     finished = len(finished_rids(stack, mark, "length"))
     name = f"aiperf delay {delay}s"
-    measurements.add(name, "requests sent", len(records))
-    measurements.add(name, "cancelled by aiperf", cancelled)
+    measurements.add(name, "requests sent", len(run.records))
+    measurements.add(name, "cancelled by aiperf", run.cancelled)
     measurements.add(name, "tether client disconnects", disconnects)
     measurements.add(name, "tether abort calls (any result)", aborts(stack.tether) - aborts_before)
     measurements.add(name, "SGLang received (tether rids)", len(received))
@@ -186,14 +129,14 @@ def test_aiperf_cancellations_all_stop_in_sglang(
         "sglang:num_aborted_requests_total delta",
         sglang_metrics(stack).value("sglang:num_aborted_requests_total") - aborted_before,
     )
-    assert len(records) == requests and not other_errors, other_errors[:3]
-    assert 0 < cancelled < requests
-    assert disconnects == cancelled
-    assert finished == requests - cancelled
+    assert len(run.records) == requests and not run.other_errors, run.other_errors[:3]
+    assert 0 < run.cancelled < requests
+    assert disconnects == run.cancelled
+    assert finished == requests - run.cancelled
     assert aborted <= received
     assert len(received) == finished + len(aborted), (
         "a request reached SGLang and neither finished nor aborted"
     )
     if delay > 0:  # every cancelled request had reached SGLang by then
-        assert len(aborted) == cancelled
+        assert len(aborted) == run.cancelled
     assert sglang_load(stack).running == 0

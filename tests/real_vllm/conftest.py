@@ -13,14 +13,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from .collection import prepare_suite
 from .measurements import Measurements
 from .processes import CONFIGS, EngineInstall, Stack, StackPool, install_engine
 
 ENABLED = os.environ.get("TETHER_VLLM_TESTS") == "1"
 SKIP_REASON = "real vLLM suite is opt-in: set TETHER_VLLM_TESTS=1 (see tests/real_vllm/README.md)"
-# Seconds one test may take, vLLM's start (up to a minute on a loaded machine) included; the
-# repository's default pytest-timeout is sized for unit tests.
-TEST_TIMEOUT = 600
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,32 +27,15 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _config_of(item: pytest.Item) -> str:
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and "stack" in callspec.params:
-        return str(callspec.params["stack"])
-    return ""
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = pathlib.Path(__file__).parent
-    ours = [item for item in items if here in pathlib.Path(str(item.path)).parents]
-    if not ours:
-        return
-    order = list(CONFIGS)
-    for item in ours:
-        item.add_marker(pytest.mark.vllm)
-        if config.pluginmanager.hasplugin("timeout"):
-            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT))
-        if not ENABLED:
-            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
-    # Stable sort of our items by configuration, keeping them where they were in the list.
-    positions = [index for index, item in enumerate(items) if item in ours]
-    ranked = sorted(
-        ours, key=lambda item: order.index(_config_of(item)) if _config_of(item) in order else -1
+    prepare_suite(
+        config,
+        items,
+        suite_dir=pathlib.Path(__file__).parent,
+        marker=pytest.mark.vllm,
+        configurations=CONFIGS,
+        skip_reason=None if ENABLED else SKIP_REASON,
     )
-    for index, item in zip(positions, ranked, strict=True):
-        items[index] = item
 
 
 @pytest.fixture(scope="session")

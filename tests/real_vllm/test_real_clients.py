@@ -4,7 +4,6 @@ curl with -m, and aiperf's request cancellation."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -12,9 +11,10 @@ from typing import Any
 
 import pytest
 
+from .aiperf import install_aiperf, run_with_cancellations
 from .measurements import Measurements
 from .observe import wait_until
-from .processes import MODEL_NAME, REPO, EngineInstall, Stack, on_core
+from .processes import MODEL_NAME, EngineInstall, Stack, on_core
 from .scenarios import (
     CHAT_PATH,
     LONG,
@@ -27,8 +27,6 @@ from .scenarios import (
     wait_in_flight,
     wait_vllm_idle,
 )
-
-AIPERF_SETUP = REPO / "tests" / "engines" / "aiperf.sh"
 
 
 def _openai_client(stack: Stack) -> Any:
@@ -137,10 +135,7 @@ def test_curl_max_time_aborts_in_vllm(
 
 @pytest.fixture(scope="session")
 def aiperf() -> pathlib.Path:
-    result = subprocess.run(
-        ["bash", str(AIPERF_SETUP)], check=True, capture_output=True, text=True, timeout=1200
-    )
-    return pathlib.Path(result.stdout.strip().splitlines()[-1].split("=", 1)[1])
+    return install_aiperf()
 
 
 def _tether_counts(stack: Stack) -> dict[str, float]:
@@ -171,58 +166,9 @@ def test_aiperf_cancellations_all_reach_vllm(
         "vllm:request_success_total", finished_reason="length"
     )
     mark = stack.vllm.log.mark()
-    # aiperf refuses a local tokenizer directory when HF offline mode is set at all (it then
-    # only looks in the hub cache); the directory is local, so nothing is downloaded.
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    }
-    argv = [
-        *on_core(0),
-        str(aiperf),
-        "profile",
-        "--model",
-        MODEL_NAME,
-        "--url",
-        stack.tether.url,
-        "--endpoint-type",
-        "chat",
-        "--streaming",
-        "--tokenizer",
-        str(engine_install.model),
-        "--request-count",
-        str(requests),
-        "--concurrency",
-        "4",
-        "--request-cancellation-rate",
-        "50",
-        "--request-cancellation-delay",
-        str(delay),
-        "--isl",
-        "32",
-        "--osl",
-        "600",
-        "--extra-inputs",
-        "ignore_eos:true",
-        "--use-server-token-count",
-        "--random-seed",
-        "7",
-        "--no-server-metrics",
-        "--no-gpu-telemetry",
-        "--ui",
-        "none",
-        "--artifact-dir",
-        str(tmp_path / "aiperf"),
-    ]
-    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    records = [
-        json.loads(line)
-        for line in (tmp_path / "aiperf" / "profile_export.jsonl").read_text().splitlines()
-    ]
-    cancelled = sum(1 for r in records if r["metadata"].get("was_cancelled"))
-    other_errors = [
-        r["error"] for r in records if r.get("error") and not r["metadata"].get("was_cancelled")
-    ]
+    run = run_with_cancellations(
+        aiperf, stack.tether.url, engine_install.model, requests, delay, tmp_path / "aiperf"
+    )
     wait_vllm_idle(stack, timeout=10)
     after = _tether_counts(stack)
     delta = {key: after[key] - before[key] for key in after}
@@ -234,25 +180,25 @@ def test_aiperf_cancellations_all_reach_vllm(
         - finished_before
     )
     name = f"aiperf delay {delay}s"
-    measurements.add(name, "requests sent", len(records))
-    measurements.add(name, "cancelled by aiperf", cancelled)
+    measurements.add(name, "requests sent", len(run.records))
+    measurements.add(name, "cancelled by aiperf", run.cancelled)
     measurements.add(name, "tether client disconnects", delta["disconnects"])
     measurements.add(name, "tether upstream cancellations", delta["upstream_cancellations"])
     measurements.add(name, "tether abort calls (any result)", delta["aborts"])
     measurements.add(name, "vLLM received (tether IDs)", len(received))
     measurements.add(name, "vLLM aborted (tether IDs)", len(aborted))
     measurements.add(name, "vLLM finished (length)", finished)
-    assert len(records) == requests and not other_errors, other_errors[:3]
-    assert 0 < cancelled < requests
-    assert delta["disconnects"] == cancelled
-    assert finished == requests - cancelled
+    assert len(run.records) == requests and not run.other_errors, run.other_errors[:3]
+    assert 0 < run.cancelled < requests
+    assert delta["disconnects"] == run.cancelled
+    assert finished == requests - run.cancelled
     assert aborted <= received
     assert len(received) == finished + len(aborted), (
         "a request reached vLLM and neither finished nor aborted"
     )
     if delay > 0:  # every cancelled request had reached vLLM by then
-        assert len(aborted) == cancelled
-        assert delta["upstream_cancellations"] == cancelled
-        assert delta["aborts"] == cancelled  # result not_supported: the default server
+        assert len(aborted) == run.cancelled
+        assert delta["upstream_cancellations"] == run.cancelled
+        assert delta["aborts"] == run.cancelled  # result not_supported: the default server
     assert delta["requests"] == requests
     assert vllm_load(stack) == 0

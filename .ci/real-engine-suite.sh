@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# tether against a real engine and real clients: `real-engine-suite.sh vllm` runs
+# tests/real_vllm (vLLM's CPU build, issue 5), `real-engine-suite.sh sglang` runs
+# tests/real_sglang (SGLang 0.5.23 on CPU torch, issue 12). .ci/vllm-suite.sh and
+# .ci/sglang-suite.sh are the two as commands of their own.
+#
+# Assumes tether is pip-installed in the active Python environment. Installs what else it
+# needs: curl/taskset/venv support from Debian if missing, the openai SDK into the active
+# environment, the engine and aiperf into their own cached venvs (tests/engines/*.sh).
+# Each suite takes about 5 minutes with warm caches (8 on a busy machine) and 9-10 minutes
+# from nothing, on 2 cores.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+engine="${1:?usage: real-engine-suite.sh vllm|sglang}"
+case "$engine" in
+  vllm) setup=tests/engines/vllm_cpu.sh; budget=1500 ;;
+  sglang) setup=tests/engines/sglang_cpu.sh; budget=1800 ;;
+  *) echo "usage: real-engine-suite.sh vllm|sglang" >&2; exit 2 ;;
+esac
+ENGINE="${engine^^}"  # the suite's variables: TETHER_VLLM_TESTS, TETHER_SGLANG_LOG_DIR, ...
+say() { echo "[$engine-suite] $*"; }
+
+PYTHON="${PYTHON:-python}"
+OPENAI_VERSION="3.57.0"
+
+as_root() { if [[ $EUID -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
+
+missing=()
+command -v curl >/dev/null || missing+=(curl)
+command -v taskset >/dev/null || missing+=(util-linux)
+command -v python3.11 >/dev/null || command -v python3 >/dev/null || missing+=(python3)
+python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+if ((${#missing[@]})); then
+  say "apt-get install ${missing[*]}"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+"$PYTHON" -c 'import pathlib, sys; assert (pathlib.Path(sys.executable).parent / "tether").exists()' \
+  || { say "no tether console script beside $PYTHON: pip install . first" >&2; exit 1; }
+"$PYTHON" -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION" 2>&1 \
+  | { grep -v '^WARNING: Location' || true; }
+
+started=$SECONDS
+bash "$setup"
+bash tests/engines/aiperf.sh
+say "engine and aiperf venvs ready in $((SECONDS - started)) s"
+
+log_dir_var="TETHER_${ENGINE}_LOG_DIR"
+log_dir="${!log_dir_var:-$(mktemp -d -t "tether-real-$engine.XXXXXX")}"
+export "$log_dir_var=$log_dir"
+status=0
+# The test client shares core 0 with tether; the engine pins itself to core 1.
+pin=()
+if command -v taskset >/dev/null && (($(nproc) > 1)); then pin=(taskset -c 0); fi
+env "TETHER_${ENGINE}_TESTS=1" timeout -k 30 "$budget" "${pin[@]}" "$PYTHON" -m pytest \
+  "tests/real_$engine" -m "$engine" -v -p no:cacheprovider || status=$?
+if ((status != 0)); then
+  for log in "$log_dir"/*.log; do
+    [[ -f "$log" ]] || continue
+    # SGLang's request lines run to thousands of characters; its /v1/loads polls are noise.
+    echo "----- last 60 lines of $log (lines cut at 400 characters, /v1/loads polls left out)"
+    grep -v '"GET /v1/loads HTTP/1.1"' "$log" | tail -n 60 | cut -c1-400
+  done
+fi
+say "logs in $log_dir"
+exit "$status"
