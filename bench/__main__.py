@@ -9,7 +9,7 @@ from pathlib import Path
 from bench.runner import run
 from bench.workloads import FULL, QUICK
 
-SYSTEMS = ("direct", "nginx", "tether", "tether_info")
+SYSTEMS = ("direct", "nginx", "tether", "tether_info", "tether_otel")
 WORKLOADS = ("relay", "paced", "requests", "aborts", "memory")
 
 

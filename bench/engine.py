@@ -13,7 +13,12 @@ Routes:
 - `GET /health`; `POST /abort_requests` (`{"request_ids": [...]}`, vLLM's abort API): a
   stream it names ends as vLLM's does, with a `finish_reason: "abort"` event and `[DONE]`
   (which is what tether waits for to count the abort as confirmed).
-- `GET /_bench/stats`, `POST /_bench/reset`: what was recorded, for the runner.
+- `POST /v1/traces`: an OTLP/HTTP trace sink for tether with tracing on. It answers 200 with
+  an empty protobuf body (a valid `ExportTraceServiceResponse`) and counts the export
+  requests, their bytes and the spans in them, so the runner can check that every request
+  left a span. Decoding needs the otel extra, imported only when a trace arrives.
+- `GET /_bench/stats`, `POST /_bench/reset`: what was recorded, for the runner. Reset
+  leaves the trace counts alone: they cover the engine's life, which is one round.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ SSE_HEAD = (
     b"transfer-encoding: chunked\r\n\r\n"
 )
 DONE_EVENT = chunk(b"data: [DONE]\n\n") + LAST_CHUNK
+TRACES_OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n"
 ABORT_EVENT = b'","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":""},"finish_reason":"abort"}]}\n\n'  # noqa: E501
 CHUNK_BODY = (
     '","object":"chat.completion.chunk","created":1764460800,"model":"bench-model",'
@@ -46,7 +52,8 @@ CHUNK_BODY = (
 
 @dataclass(slots=True)
 class Recorder:
-    """What the runner reads back: per tag, when the engine saw the abort or the drop."""
+    """What the runner reads back: per tag, when the engine saw the abort or the drop; what
+    the trace sink received."""
 
     aborts: dict[str, int] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
@@ -55,6 +62,9 @@ class Recorder:
     unknown_aborts: int = 0
     duplicate_aborts: int = 0
     streams_started: int = 0
+    trace_exports: int = 0
+    trace_bytes: int = 0
+    spans: int = 0
 
     def record_abort(self, engine_request_id: str, now_ns: int) -> None:
         stream = self.streams.pop(engine_request_id, None)
@@ -68,6 +78,21 @@ class Recorder:
             self.duplicate_aborts += 1
         else:
             self.aborts[tag] = now_ns
+
+    def record_traces(self, body: bytes) -> None:
+        # Imported here: only a run with tether_otel needs the otel extra.
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        request = ExportTraceServiceRequest.FromString(body)
+        self.trace_exports += 1
+        self.trace_bytes += len(body)
+        self.spans += sum(
+            len(scope.spans)
+            for resource in request.resource_spans
+            for scope in resource.scope_spans
+        )
 
     def reset(self) -> None:
         self.streams.clear()
@@ -83,6 +108,9 @@ class Recorder:
             "unknown_aborts": self.unknown_aborts,
             "duplicate_aborts": self.duplicate_aborts,
             "streams_started": self.streams_started,
+            "trace_exports": self.trace_exports,
+            "trace_bytes": self.trace_bytes,
+            "spans": self.spans,
         }
 
 
@@ -272,6 +300,9 @@ class EngineConnection(asyncio.Protocol):
             for engine_request_id in json.loads(body)["request_ids"]:
                 self._recorder.record_abort(engine_request_id, now_ns)
             self.transport.write(json_response("200 OK", {}))
+        elif method == b"POST" and path == b"/v1/traces":
+            self._recorder.record_traces(body)
+            self.transport.write(TRACES_OK)
         elif path == b"/_bench/stats":
             self.transport.write(json_response("200 OK", self._recorder.as_json()))
         elif method == b"POST" and path == b"/_bench/reset":

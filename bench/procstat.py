@@ -77,3 +77,15 @@ def wait_for_quiet(give_up_s: float, threshold: float = 0.25, sample_s: float = 
             return time.monotonic() - started
         if time.monotonic() - started > give_up_s:
             return time.monotonic() - started
+
+
+def settle(pid: int, give_up_s: float, threshold: float = 0.1, sample_s: float = 0.3) -> float:
+    """Wait until the process tree uses under `threshold` of a core; returns the CPU seconds
+    it used meanwhile (the work a burst left behind, which would leak into the next window)."""
+    started, deadline = cpu_seconds(pid), time.monotonic() + give_up_s
+    while True:
+        before = cpu_seconds(pid)
+        time.sleep(sample_s)
+        after = cpu_seconds(pid)
+        if (after - before) / sample_s < threshold or time.monotonic() > deadline:
+            return after - started

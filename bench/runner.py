@@ -27,15 +27,13 @@ from bench.workloads import (
     paced_latency,
     relay,
     request_overhead,
+    spans_exported,
 )
 
 NOFILE = 65536  # 10,000 idle streams take 20,000 descriptors in a proxy
 # Listening sockets, logs, connections left idle by earlier workloads, and slack: nginx 1.22
 # with worker_connections 20000 ran out of connection slots at ~9,400 streams, not 10,000.
 DESCRIPTOR_RESERVE = 2000
-# The per-request log line matters where requests are many; elsewhere tether at info
-# would only repeat tether's figures.
-INFO_LOG_WORKLOADS = ("relay_64", "requests_1", "requests_32")
 
 Workload = Callable[[Engine, System], Figures]
 
@@ -62,12 +60,31 @@ def plan(profile: Profile, max_streams: int) -> dict[str, Workload]:
     }
     for streams in profile.relay_streams:
         workloads[f"relay_{streams}"] = functools.partial(relay, profile, streams=streams)
-    workloads["paced"] = functools.partial(paced_latency, profile)
+    workloads["paced"] = functools.partial(paced_latency, profile, pace=profile.paced)
+    workloads["paced_256"] = functools.partial(paced_latency, profile, pace=profile.paced_256)
     workloads["requests_1"] = functools.partial(request_overhead, profile, clients=1)
     clients = profile.requests_concurrency
     workloads[f"requests_{clients}"] = functools.partial(request_overhead, profile, clients=clients)
     workloads["aborts"] = functools.partial(abort_latency, profile)
     return workloads
+
+
+def variant_workloads(profile: Profile) -> dict[str, frozenset[str]]:
+    """Where tether's variants run; elsewhere they would only repeat tether's figures.
+
+    The per-request log line matters where requests are many. A span costs per request too;
+    tracing also runs at a realistic streaming pace, where any cost it adds per event shows
+    undiluted by coalescing.
+    """
+    many_requests = {
+        f"relay_{profile.relay_streams_variants}",
+        "requests_1",
+        f"requests_{profile.requests_concurrency}",
+    }
+    return {
+        "tether_info": frozenset(many_requests),
+        "tether_otel": frozenset(many_requests | {"paced"}),
+    }
 
 
 def machine() -> dict[str, Any]:
@@ -100,18 +117,31 @@ def progress(message: str) -> None:
 
 
 def run_round(
-    number: int, workloads: dict[str, Workload], engine: Engine, systems: dict[str, System]
+    number: int,
+    workloads: dict[str, Workload],
+    variants: dict[str, frozenset[str]],
+    engine: Engine,
+    systems: dict[str, System],
 ) -> report.Results:
-    """Every workload on every system, interleaved so that noise hits all systems alike."""
+    """Every workload on every system, interleaved so that noise hits all systems alike; then,
+    with tether_otel, the spans its requests left at the engine's trace sink."""
     results: report.Results = {}
     for key, workload in workloads.items():
         results[key] = {}
         for name, system in systems.items():
-            if name == "tether_info" and key not in INFO_LOG_WORKLOADS:
+            if name in variants and key not in variants[name]:
                 continue
             began = time.monotonic()
             results[key][name] = workload(engine, system)
             progress(f"round {number}  {key:<14} {name:<12} {time.monotonic() - began:5.1f}s")
+    traced = [
+        by_system["tether_otel"] for by_system in results.values() if "tether_otel" in by_system
+    ]
+    if traced:
+        # Not a workload: the round's spans, which show that tracing really exported. The
+        # engine (and its count) is the round's own.
+        requests_traced = sum(int(figures["requests_sent"] or 0) for figures in traced)
+        results[report.SPANS] = {"tether_otel": spans_exported(engine, requests_traced)}
     return results
 
 
@@ -145,13 +175,14 @@ def run(
         for key, workload in plan(profile, max_streams).items()
         if key.split("_")[0] in workload_names
     }
+    variants = variant_workloads(profile)
     every_round: list[report.Results] = []
     with tempfile.TemporaryDirectory(prefix="tether-bench-") as tmp:
         for round_number in range(1, rounds + 1):
             round_dir = Path(tmp) / f"round-{round_number}"
             round_dir.mkdir()
             with all_systems(round_dir, system_names, nofile) as (engine, systems):
-                every_round.append(run_round(round_number, workloads, engine, systems))
+                every_round.append(run_round(round_number, workloads, variants, engine, systems))
         keep_logs(Path(tmp), results_dir / f"{stem}-logs")
     results = report.combine_rounds(every_round)
     report.add_deltas(results)

@@ -1,7 +1,9 @@
-"""The processes under test: the fake engine, and the three ways a client can reach it.
+"""The processes under test: the fake engine, and the ways a client can reach it.
 
 Each system is a listening address plus the pid whose process tree is "the proxy" (none
-for a direct connection). Processes are pinned with sched_setaffinity before exec.
+for a direct connection): direct, nginx, tether, and two variants of tether, at log level
+info (`tether_info`) and with tracing on (`tether_otel`). Processes are pinned with
+sched_setaffinity before exec.
 """
 
 from __future__ import annotations
@@ -167,9 +169,15 @@ def tether_binary() -> str:
 
 
 @contextmanager
-def tether(tmp: Path, engine_port: int, *, name: str, log_level: str) -> Iterator[System]:
+def tether(
+    tmp: Path, engine_port: int, *, name: str, log_level: str, traced: bool = False
+) -> Iterator[System]:
+    """tether in front of the engine; `traced` exports its spans to the engine's OTLP sink."""
     port, admin_port = free_port(), free_port()
-    env = os.environ | {
+    # No OTEL_* from the caller's environment: under the default TETHER_TRACING=auto an
+    # exporter endpoint would turn tracing on, and a sampler would change what it costs.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+    env |= {
         "TETHER_UPSTREAM_URL": f"http://127.0.0.1:{engine_port}",
         "TETHER_HOST": "127.0.0.1",
         "TETHER_PORT": str(port),
@@ -177,7 +185,15 @@ def tether(tmp: Path, engine_port: int, *, name: str, log_level: str) -> Iterato
         "TETHER_ENGINE": "vllm",
         "TETHER_LOG_LEVEL": log_level,
         "TETHER_LOG_FORMAT": "json",
+        "TETHER_TRACING": "off",
     }
+    if traced:
+        # OTLP/HTTP to the fake engine's /v1/traces; the batch processor's settings are the
+        # SDK's defaults (a batch every 5 s or per 512 spans), as a deployment would have them.
+        env |= {
+            "TETHER_TRACING": "on",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{engine_port}",
+        }
     # The temp dir as working directory keeps a stray .env in the checkout out of tether.
     with running(
         [tether_binary()], core=PROXY_CORE, log=tmp / f"{name}.log", env=env, cwd=tmp
@@ -207,6 +223,10 @@ def all_systems(
             elif name == "tether_info":
                 systems[name] = stack.enter_context(
                     tether(tmp, engine_port, name=name, log_level="info")
+                )
+            elif name == "tether_otel":
+                systems[name] = stack.enter_context(
+                    tether(tmp, engine_port, name=name, log_level="warning", traced=True)
                 )
             else:
                 raise ValueError(f"unknown system {name!r}")

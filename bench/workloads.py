@@ -1,4 +1,4 @@
-"""The five workloads: each builds a load-generator spec, runs it and reduces the result.
+"""The workloads: each builds a load-generator spec, runs it and reduces the result.
 
 Every function returns flat figures for one system; comparisons with the other systems are
 the report's job.
@@ -14,11 +14,23 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from bench.procstat import wait_for_quiet
+from bench.procstat import settle, wait_for_quiet
 from bench.stats import summarize_us
 from bench.systems import CLIENT_CORE, REPO_ROOT, Engine, System, pinned
 
 Figures = dict[str, float | int | None]
+SPAN_WAIT_S = 10.0  # two of the SDK's default batch periods
+SETTLE_GIVE_UP_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """A paced streaming workload: each stream gets `rate` events/s, one event per read."""
+
+    streams: int
+    rate: float
+    warmup_s: float
+    window_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,18 +38,19 @@ class Profile:
     """Counts and durations; `QUICK` is the CI smoke test, `FULL` the published run."""
 
     relay_streams: tuple[int, ...]
+    relay_streams_variants: int  # the relay_N that tether_info and tether_otel run as well
     relay_events_per_request: int
     relay_warmup_s: float
     relay_window_s: float
-    paced_streams: int
-    paced_rate: float
-    paced_warmup_s: float
-    paced_window_s: float
+    paced: Pace
+    paced_256: Pace
     requests_concurrency: int
     requests_warmup_s: float
     requests_window_s: float
     abort_streams: int
     abort_rate: float
+    abort_warmup_s: float
+    abort_window_s: float
     abort_spread_s: float
     idle_steps: tuple[int, int]
     idle_settle_s: float
@@ -46,20 +59,23 @@ class Profile:
 
 FULL = Profile(
     relay_streams=(1, 64, 512),
+    relay_streams_variants=64,
     relay_events_per_request=200,
     relay_warmup_s=1.0,
     relay_window_s=6.0,
-    paced_streams=64,
-    paced_rate=50.0,
-    paced_warmup_s=1.0,
-    paced_window_s=10.0,
+    paced=Pace(streams=64, rate=50.0, warmup_s=1.0, window_s=10.0),
+    # Many streams at a decode-step pace: 25,600 events/s, each its own read and write.
+    paced_256=Pace(streams=256, rate=100.0, warmup_s=1.0, window_s=10.0),
     requests_concurrency=32,
     requests_warmup_s=1.0,
     requests_window_s=5.0,
     abort_streams=1000,
-    # 10,000 events/s in all: busy, yet below saturation, so the figure is the abort path's
-    # latency and not a proxy's backlog (at 20/s tether saturates one core and queues).
-    abort_rate=10.0,
+    # 20,000 events/s in all, issue 15's figure: an abort must get through while the relay
+    # is busy. Before issue 15 this saturated tether's core (aborts queued behind chunks for
+    # seconds), so the workload also reports the pace the relay kept with every stream open.
+    abort_rate=20.0,
+    abort_warmup_s=0.5,
+    abort_window_s=1.0,
     abort_spread_s=3.0,
     idle_steps=(1000, 10000),
     idle_settle_s=2.0,
@@ -67,18 +83,19 @@ FULL = Profile(
 )
 QUICK = Profile(
     relay_streams=(1, 8, 32),
+    relay_streams_variants=8,
     relay_events_per_request=50,
     relay_warmup_s=0.2,
     relay_window_s=0.5,
-    paced_streams=16,
-    paced_rate=50.0,
-    paced_warmup_s=0.2,
-    paced_window_s=1.0,
+    paced=Pace(streams=16, rate=50.0, warmup_s=0.2, window_s=1.0),
+    paced_256=Pace(streams=16, rate=100.0, warmup_s=0.2, window_s=0.5),
     requests_concurrency=4,
     requests_warmup_s=0.2,
     requests_window_s=0.5,
     abort_streams=50,
-    abort_rate=10.0,
+    abort_rate=20.0,
+    abort_warmup_s=0.1,
+    abort_window_s=0.3,
     abort_spread_s=0.5,
     idle_steps=(20, 100),
     idle_settle_s=0.3,
@@ -156,30 +173,34 @@ def relay(profile: Profile, engine: Engine, system: System, streams: int) -> Fig
         "proxy_core_busy": result["proxy_cpu_s"] / result["wall_s"] if system.proxy_pid else None,
         "client_core_busy": (result["engine_cpu_s"] + result["loadgen_cpu_s"]) / result["wall_s"],
         "events": result["events"],
+        "requests_sent": result["sent"],
         "errors": result["errors"],
         "id_mismatches": result["id_mismatches"],
     }
 
 
-def paced_latency(profile: Profile, engine: Engine, system: System) -> Figures:
-    """Workload 2: arrival minus send stamp per event at a moderate, fixed rate."""
+def paced_latency(profile: Profile, engine: Engine, system: System, pace: Pace) -> Figures:
+    """Workload 2: arrival minus send stamp per event at a fixed rate per stream."""
     result = run_loadgen(
         profile,
         {
             "mode": "streams",
-            "streams": profile.paced_streams,
-            "events": int(
-                profile.paced_rate * (profile.paced_warmup_s + profile.paced_window_s + 0.5)
-            ),
-            "rate": profile.paced_rate,
-            "warmup_s": profile.paced_warmup_s,
-            "window_s": profile.paced_window_s,
+            "streams": pace.streams,
+            # One request per stream for the whole run: its end falls after the window.
+            "events": int(pace.rate * (pace.warmup_s + pace.window_s + 0.5)),
+            "rate": pace.rate,
+            "warmup_s": pace.warmup_s,
+            "window_s": pace.window_s,
         },
         engine,
         system,
     )
     latency = result["latency_us"]
     return noise(result) | {
+        "streams": pace.streams,
+        "rate": pace.rate,
+        "events_per_s": result["events"] / result["wall_s"],
+        "proxy_core_busy": result["proxy_cpu_s"] / result["wall_s"] if system.proxy_pid else None,
         "p50_us": latency.get("p50"),
         "p99_us": latency.get("p99"),
         "p99.9_us": latency.get("p99.9"),
@@ -188,6 +209,7 @@ def paced_latency(profile: Profile, engine: Engine, system: System) -> Figures:
         "proxy_cpu_s_per_m_events": per_million(result["proxy_cpu_s"], result["events"])
         if system.proxy_pid
         else None,
+        "requests_sent": result["sent"],
         "errors": result["errors"],
         "id_mismatches": result["id_mismatches"],
     }
@@ -214,6 +236,7 @@ def request_overhead(profile: Profile, engine: Engine, system: System, clients: 
         else None,
         "p50_us": latency.get("p50"),
         "p99_us": latency.get("p99"),
+        "requests_sent": result["sent"],
         "errors": result["errors"],
         "id_mismatches": result["id_mismatches"],
     }
@@ -234,6 +257,8 @@ def abort_latency(profile: Profile, engine: Engine, system: System) -> Figures:
             "streams": profile.abort_streams,
             "rate": profile.abort_rate,
             "spread_s": profile.abort_spread_s,
+            "warmup_s": profile.abort_warmup_s,
+            "window_s": profile.abort_window_s,
             "open_timeout_s": 30,
         },
         engine,
@@ -256,7 +281,11 @@ def abort_latency(profile: Profile, engine: Engine, system: System) -> Figures:
         stats["drops"][tag] - closed for tag, closed in closed_ns.items() if tag in stats["drops"]
     ]
     summary, drop_summary = summarize_us(list(seen.values())), summarize_us(drops)
-    return {
+    return noise(result) | {
+        "streams_open": result["opened"],
+        "offered_events_per_s": result["opened"] * profile.abort_rate,
+        "events_per_s": result["events"] / result["wall_s"],
+        "proxy_core_busy": result["proxy_cpu_s"] / result["wall_s"] if system.proxy_pid else None,
         "p50_ms": ms(summary.get("p50")),
         "p99_ms": ms(summary.get("p99")),
         "max_ms": ms(summary.get("max")),
@@ -279,7 +308,8 @@ def ms(value_us: float | None) -> float | None:
 def memory_per_stream(
     profile: Profile, engine: Engine, system: System, max_streams: int
 ) -> Figures:
-    """Workload 5: proxy RSS with many idle open streams; bytes per stream from the slope."""
+    """Workload 5: proxy RSS with many idle open streams; bytes per stream from the slope;
+    then the proxy's CPU for all of them closing at once."""
     steps = [min(step, max_streams) for step in profile.idle_steps]
     result = run_loadgen(
         profile,
@@ -287,11 +317,15 @@ def memory_per_stream(
         engine,
         system,
     )
+    # Every client has just left at once: tether then has an abort to send for each stream,
+    # which must not run into the next measurement on the proxy core.
+    after_close = settle(system.proxy_pid, SETTLE_GIVE_UP_S) if system.proxy_pid else None
     low, high = result["steps"]
     per_stream = None
     if system.proxy_pid and high["open"] > low["open"]:
         per_stream = (high["proxy_rss"] - low["proxy_rss"]) / (high["open"] - low["open"])
     return {
+        "cpu_after_close_s": after_close,
         "rss_low_mib": low["proxy_rss"] / 2**20 if low["proxy_rss"] else None,
         "rss_high_mib": high["proxy_rss"] / 2**20 if high["proxy_rss"] else None,
         "bytes_per_stream": per_stream,
@@ -299,4 +333,25 @@ def memory_per_stream(
         "open_high": high["open"],
         "failed_to_open": result["failed_to_open"],
         "id_mismatches": result["id_mismatches"],
+    }
+
+
+def spans_exported(engine: Engine, requests_traced: int) -> Figures:
+    """What tether_otel's exporter delivered to the engine's trace sink during the round.
+
+    The SDK's batch processor sends a batch every 5 s (`OTEL_BSP_SCHEDULE_DELAY`) or once
+    512 spans are queued, so the last spans arrive after the last workload: wait until there
+    is one per request sent, or give up after two batch periods and count what is missing.
+    """
+    deadline = time.monotonic() + SPAN_WAIT_S
+    while True:
+        stats = engine_call(engine, "GET", "/_bench/stats")
+        if stats["spans"] >= requests_traced or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {
+        "requests_traced": requests_traced,
+        "spans": stats["spans"],
+        "trace_exports": stats["trace_exports"],
+        "trace_bytes": stats["trace_bytes"],
     }
