@@ -25,25 +25,11 @@ cd "$ROOT"
 CACHE=${TETHER_DEPLOY_CACHE:-/var/cache/tether-deploy-checks}
 K8S_VERSION=1.30.0
 WORK=$(mktemp -d /tmp/tether-deploy-checks.XXXXXX)
-START=$SECONDS
-CHECKS=0
-
-step() { printf '\n=== %s  (+%ss)\n' "$*" "$((SECONDS - START))"; }
-ok() { CHECKS=$((CHECKS + 1)); printf 'ok: %s\n' "$*"; }
-die() { printf 'FAILED: %s\n' "$*" >&2; exit 1; }
-# free_ports N: N distinct TCP ports free on this host right now.
-free_ports() {
-  "$PY" -c '
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
-}
+# shellcheck source-path=SCRIPTDIR source=checks-lib.sh
+. "$ROOT/.ci/checks-lib.sh"
 
 # Everything started here is stopped by ID.
 CONTAINERS=()
-PIDS=()
 COMPOSE_DOWN=()
 cleanup() {
   local id
@@ -53,10 +39,7 @@ cleanup() {
   for id in "${CONTAINERS[@]}"; do
     podman rm --force --time 0 "$id" >/dev/null 2>&1 || true
   done
-  for id in "${PIDS[@]}"; do
-    kill "$id" 2>/dev/null || true
-    wait "$id" 2>/dev/null || true
-  done
+  stop_pids
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -111,7 +94,7 @@ echo "helm $("$HELM" version --short), helm $("$HELM3" version --short)"
 step "lint: Dockerfile, shell scripts, YAML"
 hadolint --failure-threshold warning Dockerfile
 ok "hadolint --failure-threshold warning Dockerfile"
-shellcheck .ci/deploy-checks.sh deploy/docker/docker-run.sh
+shellcheck -x .ci/deploy-checks.sh .ci/checks-lib.sh deploy/docker/docker-run.sh
 ok "shellcheck"
 yamllint --strict -d '{extends: default, ignore: [deploy/helm/tether/templates/, deploy/helm/examples/model-server/templates/], rules: {line-length: {max: 110}, document-start: disable, truthy: {check-keys: false}, comments: {min-spaces-from-content: 1}}}' deploy/
 ok "yamllint deploy/"

@@ -22,24 +22,16 @@ PY=$(command -v python3)  # the caller's python: the project venv, when active
 cd "$ROOT"
 CACHE=${TETHER_OBS_CACHE:-/var/cache/tether-observability-checks}
 WORK=$(mktemp -d /tmp/tether-observability-checks.XXXXXX)
-START=$SECONDS
-CHECKS=0
 RULES=deploy/prometheus/tether-rules.yaml
 RULE_TESTS=deploy/prometheus/tether-rules.test.yaml
 DASHBOARD=deploy/grafana/tether-dashboard.json
 CHART_FILES=deploy/helm/tether/files
 
-step() { printf '\n=== %s  (+%ss)\n' "$*" "$((SECONDS - START))"; }
-ok() { CHECKS=$((CHECKS + 1)); printf 'ok: %s\n' "$*"; }
-die() { printf 'FAILED: %s\n' "$*" >&2; exit 1; }
+# shellcheck source-path=SCRIPTDIR source=checks-lib.sh
+. "$ROOT/.ci/checks-lib.sh"
 
-PIDS=()
 cleanup() {
-  local id
-  for id in "${PIDS[@]}"; do
-    kill "$id" 2>/dev/null || true
-    wait "$id" 2>/dev/null || true
-  done
+  stop_pids
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -95,7 +87,7 @@ echo "node $(node --version), ${NPM_PKGS[*]}: $(cd "$SCHEMAS" && printf '%s ' ./
 
 # ------------------------------------------------------------------------------------------
 step "lint: this script"
-shellcheck .ci/observability-checks.sh
+shellcheck -x .ci/observability-checks.sh
 ok "shellcheck .ci/observability-checks.sh"
 
 # ------------------------------------------------------------------------------------------
@@ -225,12 +217,7 @@ step "tether's real /metrics: fake engine + tether, a stream, a non-streaming re
 if ! command -v tether >/dev/null || ! command -v tether-fake-engine >/dev/null; then
   die "tether / tether-fake-engine not on PATH: activate the project venv (. .venv/bin/activate)"
 fi
-read -r engine_port tether_port admin_port < <("$PY" -c '
-import socket
-socks = [socket.socket() for _ in range(3)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))')
+read -r engine_port tether_port admin_port < <(free_ports 3)
 tether-fake-engine --host 127.0.0.1 --port "$engine_port" --abort-route dev \
   --token-interval 0.02 > "$WORK/engine.log" 2>&1 &
 PIDS+=($!)
