@@ -13,21 +13,17 @@ readonly CACHE="${TETHER_ENGINE_CACHE:-$HOME/.cache/tether/engines}"
 readonly VENV="$CACHE/aiperf-$AIPERF_VERSION"
 readonly STAMP="$VENV/.tether-ready-1"
 
-log() { printf '[aiperf.sh] %s\n' "$*" >&2; }
-
-pick_python() {
-  if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
-  if command -v python3.11 >/dev/null 2>&1; then echo python3.11; return; fi
-  echo python3
-}
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+readonly HERE
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$HERE/lib.sh"
 
 if [[ ! -f "$STAMP" ]]; then
   log "creating $VENV (takes about a minute)"
   rm -rf "$VENV"
   mkdir -p "$CACHE"
   "$(pick_python)" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --only-binary=:all: \
-    "aiperf==$AIPERF_VERSION" 2>&1 | { grep -v '^WARNING: \(Location\|Skipping\)' || true; } >&2
+  quiet_pip install --only-binary=:all: "aiperf==$AIPERF_VERSION"
   "$VENV/bin/aiperf" --help >/dev/null
   touch "$STAMP"
 fi

@@ -55,21 +55,10 @@ readonly REQUIREMENTS=(
   dill jsonschema
 )
 
-log() { printf '[sglang_cpu.sh] %s\n' "$*" >&2; }
-
-# pip in $VENV, on stderr, without the find-links noise and without the resolver's list of
-# sglang requirements left out on purpose; fails when pip fails.
-quiet_pip() {
-  "$VENV/bin/python" -m pip --quiet --disable-pip-version-check "$@" 2>&1 \
-    | { grep -v '^WARNING: \(Location\|Skipping\)\|^sglang .* requires \|dependency resolver' \
-      || true; } >&2
-}
-
-pick_python() {
-  if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
-  if command -v python3.11 >/dev/null 2>&1; then echo python3.11; return; fi
-  echo python3
-}
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$HERE/lib.sh"
+# pip's resolver lists the sglang requirements left out on purpose: not news.
+PIP_NOISE='^sglang .* requires \|dependency resolver'
 
 # torchvision's PyPI build is CUDA: its C++ ops cannot load beside CPU torch, and
 # _meta_registrations.py then fails at import ("operator torchvision::nms does not exist")

@@ -21,7 +21,8 @@ fi
 readonly PYTHON_BIN="$1" MODEL="$2"
 readonly STAMP="$MODEL/.tether-ready-$MODEL_RECIPE"
 
-log() { printf '[tiny_model.sh] %s\n' "$*" >&2; }
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 if [[ -f "$STAMP" ]]; then exit 0; fi
 mkdir -p "$(dirname "$MODEL")"

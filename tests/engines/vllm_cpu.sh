@@ -25,19 +25,8 @@ readonly VENV_STAMP="$VENV/.tether-ready-$RECIPE"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly HERE
 
-log() { printf '[vllm_cpu.sh] %s\n' "$*" >&2; }
-
-# pip in $VENV, on stderr, without the find-links noise; fails when pip fails.
-quiet_pip() {
-  "$VENV/bin/python" -m pip --quiet --disable-pip-version-check "$@" 2>&1 \
-    | { grep -v '^WARNING: \(Location\|Skipping\)' || true; } >&2
-}
-
-pick_python() {
-  if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return; fi
-  if command -v python3.11 >/dev/null 2>&1; then echo python3.11; return; fi
-  echo python3
-}
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+. "$HERE/lib.sh"
 
 setup_venv() {
   if [[ -f "$VENV_STAMP" ]]; then return; fi
