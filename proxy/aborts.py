@@ -231,7 +231,7 @@ class AbortTracker:
                 repeats = await self._wait_for_end(
                     upstream, request.engine_request_ids, answered, confirm_by
                 )
-            ended_at = upstream.ended_at if upstream.ended else None
+            ended_at = upstream.ended_at  # when the engine ended it; never set by tether
         finally:
             sending.cancel()
             upstream.close()  # never reused after a disconnect

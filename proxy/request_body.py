@@ -76,21 +76,18 @@ async def outgoing_body(
         document = read_json_object(body)
     except InvalidJsonBody as exc:
         raise InvalidRequestBodyError(str(exc)) from None
-    background = route.may_run_in_background and document.get("background") is True
-    batch = _batch(document, route.fan_out)
     n = document.get("n")
-    samples = n if isinstance(n, int) and n > 1 else 1
-    if not needed:
-        return OutgoingBody(body, background=background, batch=batch, samples=samples)
-    for field in needed:
-        _set_field(document, field.name, field.value.format(id=internal_request_id))
-    return OutgoingBody(
-        write_json_object(document),
-        rewritten=True,
-        background=background,
-        batch=batch,
-        samples=samples,
+    outgoing = OutgoingBody(
+        body,
+        background=route.may_run_in_background and document.get("background") is True,
+        batch=_batch(document, route.fan_out),
+        samples=n if isinstance(n, int) and n > 1 else 1,
     )
+    if needed:
+        for field in needed:
+            _set_field(document, field.name, field.value.format(id=internal_request_id))
+        outgoing.body, outgoing.rewritten = write_json_object(document), True
+    return outgoing
 
 
 def _set_field(document: dict[str, Any], name: str, value: str) -> None:
