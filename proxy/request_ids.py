@@ -80,13 +80,6 @@ def write_json_object(document: dict[str, Any]) -> bytes:
     return json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def write_request_id_fields(body: bytes, fields: dict[str, str]) -> bytes:
-    """Set top-level `fields` in a JSON object body and serialise it again."""
-    document = read_json_object(body)
-    document.update(fields)
-    return write_json_object(document)
-
-
 def json_escaped(value: str) -> bytes:
     """`value` as it must appear inside a JSON string (quotes and backslashes escaped)."""
     return json.dumps(value, ensure_ascii=True)[1:-1].encode()

@@ -19,7 +19,8 @@ from proxy.request_ids import (
     InvalidJsonBody,
     check_client_request_id,
     json_escaped,
-    write_request_id_fields,
+    read_json_object,
+    write_json_object,
 )
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, settled, sse_ids, url
@@ -63,7 +64,9 @@ def test_body_fields_are_set_and_others_kept() -> None:
     """Writing the ID into a JSON body replaces only that field."""
     text = f"{CANARY_PROMPT} héllo"
     body = json.dumps({"request_id": "client", "stream": True, "text": text}).encode()
-    rewritten = json.loads(write_request_id_fields(body, {"request_id": "internal"}))
+    document = read_json_object(body)
+    document["request_id"] = "internal"
+    rewritten = json.loads(write_json_object(document))
     assert rewritten == {"request_id": "internal", "stream": True, "text": text}
 
 
@@ -71,7 +74,7 @@ def test_body_fields_are_set_and_others_kept() -> None:
 def test_bodies_that_are_not_json_objects_are_refused(body: bytes) -> None:
     """tether cannot write its ID into a body that is not a JSON object."""
     with pytest.raises(InvalidJsonBody):
-        write_request_id_fields(body, {"rid": "x"})
+        read_json_object(body)
 
 
 def _map_in_pieces(internal: str, client: str, data: bytes, cuts: list[int]) -> bytes:
