@@ -36,7 +36,8 @@ TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
 
 
 def create_app(settings: Settings, tracer_provider: object | None = None) -> web.Application:
-    app = web.Application(handler_args={"max_field_size": 16384, "max_line_size": 16384})
+    # Never served itself (runner.py serves requests): it holds the keys and lifetimes.
+    app = web.Application()
     app[SETTINGS] = settings
     if tracer_provider is not None:
         app[TRACER_PROVIDER] = tracer_provider
