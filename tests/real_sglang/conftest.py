@@ -15,9 +15,9 @@ import pytest
 
 from ..real_vllm.collection import prepare_suite
 from ..real_vllm.measurements import Measurements
-from ..real_vllm.processes import Tether
+from ..real_vllm.processes import StackPool, Tether, suite_log_dir
 from .measurements import IDLE_TOPIC, idle_table
-from .processes import CONFIGS, SglangInstall, Stack, StackPool, install_engine, start_tether
+from .processes import CONFIGS, SglangInstall, Stack, install_engine, start_stack, start_tether
 
 ENABLED = os.environ.get("TETHER_SGLANG_TESTS") == "1"
 SKIP_REASON = (
@@ -57,30 +57,21 @@ def engine_install() -> SglangInstall:
 
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    configured = os.environ.get("TETHER_SGLANG_LOG_DIR")
-    if configured:
-        path = pathlib.Path(configured)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    return tmp_path_factory.mktemp("real_sglang_logs")
+    return suite_log_dir("TETHER_SGLANG_LOG_DIR", tmp_path_factory, "real_sglang_logs")
 
 
 @pytest.fixture(scope="session")
 def stack_pool(
     engine_install: SglangInstall, log_dir: pathlib.Path, measurements: Measurements
-) -> Iterator[StackPool]:
-    pool = StackPool(engine_install, log_dir)
+) -> Iterator[StackPool[Stack]]:
+    pool = StackPool(lambda name: start_stack(name, engine_install, log_dir))
     yield pool
     pool.close()
-    for name, sglang_ready, total in pool.started:
-        measurements.add("startup", f"SGLang {name} ready (s)", sglang_ready)
-        measurements.add("startup", f"SGLang {name} + tether ready (s)", total)
-    for name, count in pool.tether_error_lines.items():
-        measurements.add("tether log", f"{name}: error-level lines in tether's log", count)
+    pool.report(measurements, "SGLang")
 
 
 @pytest.fixture
-def stack(request: pytest.FixtureRequest, stack_pool: StackPool) -> Stack:
+def stack(request: pytest.FixtureRequest, stack_pool: StackPool[Stack]) -> Stack:
     """The running SGLang + tether of the configuration named by the test's parameter."""
     return stack_pool.get(request.param)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import pathlib
 import subprocess
-import time
 from dataclasses import dataclass
 
 from ..real_vllm.observe import LogFile
@@ -179,41 +178,25 @@ class Stack:
     sglang: SglangServer
     tether: Tether
 
+    @property
+    def name(self) -> str:
+        return self.sglang.config.name
+
+    @property
+    def engine_ready_seconds(self) -> float:
+        return self.sglang.ready_seconds
+
     def stop(self) -> None:
         self.tether.process.stop()
         self.sglang.process.stop()
 
 
-class StackPool:
-    """Keeps at most one stack running (two SGLangs would fight over one core)."""
-
-    def __init__(self, install: SglangInstall, log_dir: pathlib.Path) -> None:
-        self._install = install
-        self.log_dir = log_dir
-        self._current: Stack | None = None
-        self.started: list[tuple[str, float, float]] = []
-        self.tether_error_lines: dict[str, int] = {}
-
-    def get(self, name: str) -> Stack:
-        if self._current is not None and self._current.sglang.config.name == name:
-            return self._current
-        self.close()
-        started = time.monotonic()
-        sglang = start_sglang(CONFIGS[name], self._install, self.log_dir)
-        try:
-            tether = start_tether(sglang, self.log_dir / f"tether-{name}.log")
-        except BaseException:
-            sglang.process.stop()
-            raise
-        self._current = Stack(sglang, tether)
-        self.started.append((name, sglang.ready_seconds, time.monotonic() - started))
-        return self._current
-
-    def close(self) -> None:
-        if self._current is not None:
-            name = self._current.sglang.config.name
-            self.tether_error_lines[name] = self._current.tether.log.text_since(0).count(
-                '"level": "error"'
-            )
-            self._current.stop()
-            self._current = None
+def start_stack(name: str, install: SglangInstall, log_dir: pathlib.Path) -> Stack:
+    """SGLang in configuration `name`, and tether in front of it."""
+    sglang = start_sglang(CONFIGS[name], install, log_dir)
+    try:
+        tether = start_tether(sglang, log_dir / f"tether-{name}.log")
+    except BaseException:
+        sglang.process.stop()
+        raise
+    return Stack(sglang, tether)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pathlib
 import time
-from typing import Any
 
 import pytest
 
-from ..real_vllm.aiperf import install_aiperf, run_with_cancellations
+from ..real_vllm.clients import install_aiperf, openai_client, run_with_cancellations
 from ..real_vllm.measurements import Measurements
 from .processes import MODEL_NAME, SglangInstall, Stack
 from .scenarios import (
@@ -27,21 +26,13 @@ from .scenarios import (
 )
 
 
-def _openai_client(stack: Stack) -> Any:
-    import openai  # installed by .ci/sglang-suite.sh; only needed when the suite runs
-
-    return openai.OpenAI(
-        base_url=stack.tether.url + "/v1", api_key="unused", max_retries=0, timeout=60
-    )
-
-
 @on_default
 def test_openai_sdk_stream_closed_early_aborts_in_sglang(
     stack: Stack, measurements: Measurements
 ) -> None:
     """The openai SDK: break out of a stream after a few chunks and close it; SGLang aborts
     tether's rid at once, and every chunk carried the client's own ID."""
-    client = _openai_client(stack)
+    client = openai_client(stack.tether)
     mark = stack.sglang.log.mark()
     stream = client.chat.completions.create(
         model=MODEL_NAME,
@@ -70,7 +61,7 @@ def test_openai_sdk_stream_closed_early_aborts_in_sglang(
 @on_default
 def test_openai_sdk_non_streaming_sees_client_id(stack: Stack) -> None:
     """The openai SDK gets its X-Request-Id back in the header and as the completion's ID."""
-    client = _openai_client(stack)
+    client = openai_client(stack.tether)
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "hi"}],

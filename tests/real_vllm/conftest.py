@@ -15,7 +15,15 @@ import pytest
 
 from .collection import prepare_suite
 from .measurements import Measurements
-from .processes import CONFIGS, EngineInstall, Stack, StackPool, install_engine
+from .processes import (
+    CONFIGS,
+    EngineInstall,
+    Stack,
+    StackPool,
+    install_engine,
+    start_stack,
+    suite_log_dir,
+)
 
 ENABLED = os.environ.get("TETHER_VLLM_TESTS") == "1"
 SKIP_REASON = "real vLLM suite is opt-in: set TETHER_VLLM_TESTS=1 (see tests/real_vllm/README.md)"
@@ -52,30 +60,21 @@ def engine_install() -> EngineInstall:
 
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    configured = os.environ.get("TETHER_VLLM_LOG_DIR")
-    if configured:
-        path = pathlib.Path(configured)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    return tmp_path_factory.mktemp("real_vllm_logs")
+    return suite_log_dir("TETHER_VLLM_LOG_DIR", tmp_path_factory, "real_vllm_logs")
 
 
 @pytest.fixture(scope="session")
 def stack_pool(
     engine_install: EngineInstall, log_dir: pathlib.Path, measurements: Measurements
-) -> Iterator[StackPool]:
-    pool = StackPool(engine_install, log_dir)
+) -> Iterator[StackPool[Stack]]:
+    pool = StackPool(lambda name: start_stack(name, engine_install, log_dir))
     yield pool
     pool.close()
-    for name, vllm_ready, total in pool.started:
-        measurements.add("startup", f"vLLM {name} ready (s)", vllm_ready)
-        measurements.add("startup", f"vLLM {name} + tether ready (s)", total)
-    for name, count in pool.tether_error_lines.items():
-        measurements.add("tether log", f"{name}: error-level lines in tether's log", count)
+    pool.report(measurements, "vLLM")
 
 
 @pytest.fixture
-def stack(request: pytest.FixtureRequest, stack_pool: StackPool) -> Stack:
+def stack(request: pytest.FixtureRequest, stack_pool: StackPool[Stack]) -> Stack:
     """The running vLLM + tether of the configuration named by the test's parameter."""
     return stack_pool.get(request.param)
 

@@ -10,10 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
+
+import pytest
 
 from ..support.net import free_port
+from .measurements import Measurements
 from .observe import LogFile, MetricsSnapshot, http_get, http_post_json, scrape, wait_until
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -291,6 +295,71 @@ def start_tether(
     return Tether(port, admin_port, process, ready)
 
 
+class EngineStack(Protocol):
+    """A real engine with tether in front of it, started for one configuration."""
+
+    tether: Tether
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def engine_ready_seconds(self) -> float: ...
+
+    def stop(self) -> None: ...
+
+
+StackT = TypeVar("StackT", bound=EngineStack)
+
+
+class StackPool(Generic[StackT]):
+    """Keeps at most one stack running (two engines would fight over one core); `start`
+    starts the stack of a configuration by its name."""
+
+    def __init__(self, start: Callable[[str], StackT]) -> None:
+        self._start = start
+        self._current: StackT | None = None
+        self.started: list[tuple[str, float, float]] = []
+        self.tether_error_lines: dict[str, int] = {}
+
+    def get(self, name: str) -> StackT:
+        if self._current is not None and self._current.name == name:
+            return self._current
+        self.close()
+        started = time.monotonic()
+        self._current = stack = self._start(name)
+        self.started.append((name, stack.engine_ready_seconds, time.monotonic() - started))
+        return stack
+
+    def close(self) -> None:
+        stack, self._current = self._current, None
+        if stack is not None:
+            log = stack.tether.log.text_since(0)
+            self.tether_error_lines[stack.name] = log.count('"level": "error"')
+            stack.stop()
+
+    def report(self, measurements: Measurements, engine: str) -> None:
+        """Start-up times and tether's error-level lines of every stack that ran."""
+        for name, engine_ready, total in self.started:
+            measurements.add("startup", f"{engine} {name} ready (s)", engine_ready)
+            measurements.add("startup", f"{engine} {name} + tether ready (s)", total)
+        for name, count in self.tether_error_lines.items():
+            measurements.add("tether log", f"{name}: error-level lines in tether's log", count)
+
+
+def suite_log_dir(
+    variable: str, tmp_path_factory: pytest.TempPathFactory, default_name: str
+) -> pathlib.Path:
+    """Where a suite keeps the engine's and tether's logs: `variable`'s directory when set
+    (CI prints the logs of a failed run from there), else a pytest temporary directory."""
+    configured = os.environ.get(variable)
+    if configured:
+        path = pathlib.Path(configured)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp(default_name)
+
+
 @dataclass
 class Stack:
     """A real vLLM with tether in front of it."""
@@ -298,41 +367,25 @@ class Stack:
     vllm: VllmServer
     tether: Tether
 
+    @property
+    def name(self) -> str:
+        return self.vllm.config.name
+
+    @property
+    def engine_ready_seconds(self) -> float:
+        return self.vllm.ready_seconds
+
     def stop(self) -> None:
         self.tether.process.stop()
         self.vllm.process.stop()
 
 
-class StackPool:
-    """Keeps at most one stack running (two vLLMs would fight over one core)."""
-
-    def __init__(self, install: EngineInstall, log_dir: pathlib.Path) -> None:
-        self._install = install
-        self._log_dir = log_dir
-        self._current: Stack | None = None
-        self.started: list[tuple[str, float, float]] = []
-        self.tether_error_lines: dict[str, int] = {}
-
-    def get(self, name: str) -> Stack:
-        if self._current is not None and self._current.vllm.config.name == name:
-            return self._current
-        self.close()
-        started = time.monotonic()
-        vllm = start_vllm(CONFIGS[name], self._install, self._log_dir)
-        try:
-            tether = start_tether(vllm.url, self._log_dir / f"tether-{name}.log")
-        except BaseException:
-            vllm.process.stop()
-            raise
-        self._current = Stack(vllm, tether)
-        self.started.append((name, vllm.ready_seconds, time.monotonic() - started))
-        return self._current
-
-    def close(self) -> None:
-        if self._current is not None:
-            name = self._current.vllm.config.name
-            self.tether_error_lines[name] = self._current.tether.log.text_since(0).count(
-                '"level": "error"'
-            )
-            self._current.stop()
-            self._current = None
+def start_stack(name: str, install: EngineInstall, log_dir: pathlib.Path) -> Stack:
+    """vLLM in configuration `name`, and tether in front of it."""
+    vllm = start_vllm(CONFIGS[name], install, log_dir)
+    try:
+        tether = start_tether(vllm.url, log_dir / f"tether-{name}.log")
+    except BaseException:
+        vllm.process.stop()
+        raise
+    return Stack(vllm, tether)

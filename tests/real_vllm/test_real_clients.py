@@ -7,11 +7,10 @@ import json
 import pathlib
 import re
 import subprocess
-from typing import Any
 
 import pytest
 
-from .aiperf import install_aiperf, run_with_cancellations
+from .clients import install_aiperf, openai_client, run_with_cancellations
 from .measurements import Measurements
 from .observe import wait_until
 from .processes import MODEL_NAME, EngineInstall, Stack, on_core
@@ -29,20 +28,12 @@ from .scenarios import (
 )
 
 
-def _openai_client(stack: Stack) -> Any:
-    import openai  # installed by .ci/vllm-suite.sh; only needed when the suite runs
-
-    return openai.OpenAI(
-        base_url=stack.tether.url + "/v1", api_key="unused", max_retries=0, timeout=60
-    )
-
-
 @on_default
 def test_openai_sdk_stream_closed_early_aborts_in_vllm(
     stack: Stack, measurements: Measurements
 ) -> None:
     """The openai SDK: break out of a stream after a few chunks, close it, vLLM aborts."""
-    client = _openai_client(stack)
+    client = openai_client(stack.tether)
     mark = stack.vllm.log.mark()
     stream = client.chat.completions.create(
         model=MODEL_NAME,
@@ -68,7 +59,7 @@ def test_openai_sdk_stream_closed_early_aborts_in_vllm(
 @on_default
 def test_openai_sdk_non_streaming_sees_client_id(stack: Stack) -> None:
     """The openai SDK gets its X-Request-Id back in the header and as chatcmpl-<id>."""
-    client = _openai_client(stack)
+    client = openai_client(stack.tether)
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": "hi"}],

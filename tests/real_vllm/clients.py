@@ -1,6 +1,5 @@
-"""aiperf as a real client with cancellations, shared by the vLLM and SGLang suites.
-
-aiperf (NVIDIA's benchmark client) cancels a share of its streaming requests on its own
+"""The real clients both real-engine suites drive tether with: the openai SDK, and aiperf
+(NVIDIA's benchmark client), which cancels a share of its streaming requests on its own
 schedule; each suite then checks from its engine's evidence that exactly those stopped.
 """
 
@@ -13,9 +12,16 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from .processes import MODEL_NAME, REPO, on_core
+from .processes import MODEL_NAME, REPO, Tether, on_core
 
 AIPERF_SETUP = REPO / "tests" / "engines" / "aiperf.sh"
+
+
+def openai_client(tether: Tether) -> Any:
+    """The openai SDK (installed by .ci/real-engine-suite.sh) talking to `tether`."""
+    import openai  # only needed when a real-engine suite runs
+
+    return openai.OpenAI(base_url=tether.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def install_aiperf() -> pathlib.Path:
