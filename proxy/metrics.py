@@ -189,9 +189,9 @@ class Metrics:
         self.tokens_relayed = Counter(
             "tether_tokens_relayed",
             "Completion tokens relayed to clients, by route: the engine's usage count where "
-            "it reports one, else token-carrying stream events (one token each with vLLM's "
-            "default stream settings; SGLang coalesces tokens into one event when its HTTP "
-            "handler falls behind, so there the count is a lower bound).",
+            "it reports one, else token-carrying stream events (one token each while the "
+            "engine's HTTP handler keeps up; vLLM and SGLang merge tokens into one event when "
+            "it falls behind, so then the count is a lower bound).",
             ("route",),
         )
         self.tokens_after_disconnect = Counter(

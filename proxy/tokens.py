@@ -3,8 +3,10 @@
 Engines say how many tokens they generated only in `usage` (OpenAI, Anthropic and Responses
 APIs) or SGLang's `meta_info`, and in a stream only where the client asked for it. Where they
 say it, that number is used. Otherwise a stream is counted by its token-carrying events: with
-vLLM's and SGLang's default stream settings each such event carries exactly one token (byte-level
-tokens can make its text empty, which is why events are counted, not characters).
+vLLM's and SGLang's default stream settings each such event carries one token while the engine's
+HTTP handler keeps up (byte-level tokens can make its text empty, which is why events are
+counted, not characters); both merge the tokens of several steps into one event when it falls
+behind, so then the count is a lower bound.
 
 Counting runs on every chunk tether relays, so it is a handful of `bytes.count` calls per
 chunk (C loops over a few hundred bytes) and no JSON parsing; the reported number is read once,

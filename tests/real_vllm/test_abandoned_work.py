@@ -220,8 +220,15 @@ def test_abandoned_work_of_a_hundred_clients(
     if dev_mode:
         assert results["confirmed"] == len(reached), results
         assert results["unconfirmed"] == results["failed"] == results["not_supported"] == 0
-        # tether's count agrees with vLLM's own at scale too.
-        assert abs(after_disconnect - (generated - received)) <= 0.1 * max(generated - received, 50)
+        # tether's books never hold more tokens than vLLM generated...
+        assert relayed + after_disconnect <= generated, (relayed, after_disconnect, generated)
+        # ...and miss at most one per stopped stream: the token in flight when its client
+        # closed (written before tether read the close, so counted as relayed) or in the
+        # engine step the abort cut short (counted by vLLM, never sent). Stops this fast
+        # waste a few tokens, too few for a ratio: test_token_accounting checks the agreement
+        # on leavers that waste hundreds.
+        missed = generated - received - after_disconnect
+        assert missed <= len(reached), (generated, received, after_disconnect)
     else:
         assert results["confirmed"] == 0 and after_disconnect == 0
         assert results["not_supported"] >= len(reached), results
