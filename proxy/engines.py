@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass, replace
+from urllib.parse import quote
 
 from .settings import Engine, Settings
 from .tokens import TokenShape
@@ -285,15 +286,18 @@ class EngineProfile:
             )
         if self.engine is Engine.GENERIC:
             assert self._abort_url is not None  # settings require it for generic
+            # In `preserve` mode the ID is the client's, which may hold `"` or `\`: escaped
+            # as inside a JSON string, it cannot change what the template's JSON says.
             body_text = (
-                self._abort_body.format(internal_request_id=engine_request_id)
+                self._abort_body.format(internal_request_id=json.dumps(engine_request_id)[1:-1])
                 if self._abort_body is not None
                 else None
             )
+            url = self._abort_url.format(internal_request_id=quote(engine_request_id, safe=""))
             return (
                 AbortCall(
                     self._abort_method,
-                    self._resolve(self._abort_url),
+                    self._resolve(url),
                     body_text.encode() if body_text is not None else None,
                 ),
             )

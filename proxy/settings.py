@@ -45,6 +45,7 @@ DEFAULT_BLOCKED_PATHS = (
 
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HTTP_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
+_ID_FIELD = "{internal_request_id}"  # what an abort template replaces by the engine's ID
 
 
 class Engine(StrEnum):
@@ -114,8 +115,9 @@ class Settings(BaseSettings):
     )
     abort_url: str | None = Field(
         None,
-        description="Abort call: absolute URL or a path on the upstream. Required for generic; "
-        "overrides the built-in route for vllm and sglang.",
+        description="Abort call: absolute URL or a path on the upstream. Required for generic "
+        "(where it may name {internal_request_id}, URL-quoted); overrides the built-in route "
+        "for vllm and sglang.",
     )
     abort_method: str = Field("POST", description="HTTP method of the abort call.")
     abort_body: str | None = Field(
@@ -269,7 +271,7 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(_HTTP_METHODS)}")
         return method
 
-    @field_validator("abort_body")
+    @field_validator("abort_url", "abort_body")
     @classmethod
     def _template_names_only_the_id(cls, value: str | None) -> str | None:
         if value is None:
@@ -342,6 +344,21 @@ class Settings(BaseSettings):
             raise ValueError("TETHER_PORT and TETHER_ADMIN_PORT must differ")
         if self.engine is Engine.GENERIC and self.abort_url is None:
             raise ValueError("TETHER_ABORT_URL is required when TETHER_ENGINE=generic")
+        names_the_id = [
+            template is not None and _ID_FIELD in template
+            for template in (self.abort_url, self.abort_body)
+        ]
+        if self.engine is Engine.GENERIC and not any(names_the_id):
+            # A call that names no request cannot stop one, and would be counted as if it had.
+            raise ValueError(
+                f"TETHER_ABORT_URL or TETHER_ABORT_BODY must contain {_ID_FIELD} when "
+                "TETHER_ENGINE=generic: an abort call has to name the request it stops"
+            )
+        if self.engine in (Engine.VLLM, Engine.SGLANG) and names_the_id[0]:
+            raise ValueError(
+                f"TETHER_ABORT_URL may contain {_ID_FIELD} only when TETHER_ENGINE=generic "
+                f"({self.engine.value}'s abort route names requests in its body)"
+            )
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
         return self

@@ -323,11 +323,12 @@ async def leave_mid_stream(
     close: str = "fin",
     body: dict[str, Any] | None = None,
     path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
 ) -> None:
     """Open a long stream through tether, read its first token, leave (FIN or RST), and return
     once tether has let go of the request (its abort is then handed over)."""
     client = await RawClient.connect(server.port)
-    await client.send_request(body or chat_body(max_tokens=100_000), path=path)
+    await client.send_request(body or chat_body(max_tokens=100_000), path=path, headers=headers)
     await client.read_until(b"tok0")
     client.close(close)
     await within(server.context.registry.wait_empty(), SETTLE_TIMEOUT, "tether to let go")

@@ -191,6 +191,34 @@ async def test_generic_engine_uses_the_configured_template(
     ]
 
 
+async def test_generic_template_names_a_client_id_safely_in_url_and_body(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory
+) -> None:
+    """In `preserve` mode the generic template carries the client's own ID: URL-quoted in the
+    URL, JSON-escaped in the body, so that an ID with `"` or `/` names only its request."""
+    engine = FakeEngine(token_interval=0.01)
+    calls: list[tuple[str, object]] = []
+
+    async def cancel(request: web.Request) -> web.Response:
+        calls.append((request.match_info["id"], json.loads(await request.read())))
+        return web.Response(status=204)
+
+    engine.app.router.add_route("POST", "/v1/requests/{id}/cancel", cancel)
+    engine_url = await upstream_app(engine.app)
+    server = await tether(
+        engine_url,
+        engine="generic",
+        request_id_mode="preserve",
+        abort_url="/v1/requests/{internal_request_id}/cancel",
+        abort_body='{{"id": "{internal_request_id}", "all": false}}',
+    )
+    client_id = 'a/b","all":true,"x":"'
+    await leave_mid_stream(server, headers={"X-Request-Id": client_id})
+    await drained(server)
+    # One path segment (a `/` left unquoted would miss the route) and one JSON string.
+    assert calls == [(client_id, {"id": client_id, "all": False})]
+
+
 async def test_abort_never_sends_an_empty_list(
     fake_engine: FakeEngineFactory, tether: TetherFactory
 ) -> None:

@@ -35,6 +35,22 @@ from .support.processes import run_tether_cli
         ),
         ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_ENGINE": "generic"}, "TETHER_ABORT_URL"),
         ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_ABORT_BODY": "{rid}"}, "TETHER_ABORT_BODY"),
+        (  # an abort call that names no request cannot stop one
+            {
+                "TETHER_UPSTREAM_URL": "http://x",
+                "TETHER_ENGINE": "generic",
+                "TETHER_ABORT_URL": "/x",
+            },
+            "TETHER_ABORT_URL or TETHER_ABORT_BODY must contain {internal_request_id}",
+        ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_ABORT_URL": "/abort/{internal_request_id}"},
+            "TETHER_ABORT_URL may contain {internal_request_id} only when TETHER_ENGINE=generic",
+        ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_ABORT_URL": "/abort/{rid}"},
+            "TETHER_ABORT_URL",
+        ),
         (
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_REQUEST_ID_HEADER": "X Bad"},
             "TETHER_REQUEST_ID_HEADER",
