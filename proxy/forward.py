@@ -43,6 +43,7 @@ from .errors import (
     UpstreamError,
 )
 from .headers import client_response_headers, upstream_request_headers
+from .logging import bind_request_ids
 from .metrics import route_label
 from .registry import Outcome, Phase, RequestState
 from .relay import ResponseRelay
@@ -131,9 +132,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
             internal_request_id = client_request_id
     except TetherError as error:
         return _reject(request, ctx, error)
-    structlog.contextvars.bind_contextvars(
-        client_request_id=client_request_id, internal_request_id=internal_request_id
-    )
+    bind_request_ids(client_request_id, internal_request_id)
 
     # 2. Register: from here the request is visible to the admin API and to shutdown.
     state = RequestState(

@@ -8,11 +8,10 @@ import json
 
 import aiohttp
 import pytest
-import structlog
 from aiohttp import web
 
 from proxy.fake_engine import AbortRoute
-from proxy.logging import REDACTED, Redactor
+from proxy.logging import REDACTED, Redactor, render_json
 
 from .conftest import (
     FakeEngineFactory,
@@ -33,7 +32,7 @@ REDACTOR = Redactor([CANARY_SECRET])
 def redact(**event: object) -> dict[str, object]:
     """What a record's fields become, then its text, as production renders it."""
     fields = REDACTOR(None, "info", dict(event))
-    rendered = REDACTOR.masking(structlog.processors.JSONRenderer())(None, "info", fields)
+    rendered = REDACTOR.masking(render_json)(None, "info", fields)
     assert isinstance(rendered, str)
     loaded: dict[str, object] = json.loads(rendered)
     return loaded
@@ -52,6 +51,24 @@ def test_credential_fields_are_masked_and_content_fields_dropped() -> None:
         "Authorization": REDACTED,
         "headers": {"Cookie": REDACTED, "X-Api-Key": REDACTED, "Accept": "*/*"},
         "path": "/v1/chat/completions",
+    }
+
+
+def test_a_record_of_known_plain_fields_is_still_cleaned_when_it_changes() -> None:
+    """The redactor learns which field names are plain, so that tether's own lines skip the
+    field-by-field look: a record with those names and one more, or a nested value, is still
+    cleaned field by field."""
+    plain = {"path": "/v1/chat/completions", "status": 200, "error": None}
+    assert redact(**plain) == {"path": "/v1/chat/completions", "status": 200}  # None left out
+    assert redact(**plain, authorization=f"Bearer {CANARY_SECRET}") == {
+        "path": "/v1/chat/completions",
+        "status": 200,
+        "authorization": REDACTED,
+    }
+    assert redact(**plain, prompt=CANARY_PROMPT) == {"path": "/v1/chat/completions", "status": 200}
+    assert redact(path="/v1/x", status={"cookie": "c", "content": CANARY_PROMPT, "n": None}) == {
+        "path": "/v1/x",
+        "status": {"cookie": REDACTED, "n": None},  # inside a value, None is data
     }
 
 

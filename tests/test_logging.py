@@ -4,11 +4,15 @@ per disconnect and per abort."""
 from __future__ import annotations
 
 import json
+import re
+from datetime import UTC, datetime
 
 import aiohttp
 
 from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
 from .support.raw_http import RawClient
+
+TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 
 
 async def test_every_line_is_json_and_requests_are_summarised(
@@ -17,6 +21,7 @@ async def test_every_line_is_json_and_requests_are_summarised(
     http: aiohttp.ClientSession,
 ) -> None:
     """A completed request and an abandoned one produce the documented events and fields."""
+    started = datetime.now(UTC)
     engine, engine_url = await fake_engine(token_interval=0.01)
     process = await tether_process(engine_url, TETHER_LOG_FORMAT="json")
     async with http.post(
@@ -31,6 +36,10 @@ async def test_every_line_is_json_and_requests_are_summarised(
     assert await process.stop() == 0
 
     events = [json.loads(line) for line in process.output().splitlines()]  # every line parses
+    for event in events:  # UTC, to the microsecond, as log shippers parse it
+        assert TIMESTAMP.fullmatch(event["timestamp"]), event
+        written = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00"))
+        assert abs((written - started).total_seconds()) < 60, (event, started)
     finished = {e["client_request_id"]: e for e in events if e["event"] == "request_finished"}
     done, gone = finished["done-1"], finished["gone-1"]
     assert (done["status"], done["outcome"]) == (200, "completed")
