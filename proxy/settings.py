@@ -345,7 +345,11 @@ class Settings(BaseSettings):
         if self.engine is Engine.GENERIC and self.abort_url is None:
             raise ValueError("TETHER_ABORT_URL is required when TETHER_ENGINE=generic")
         names_the_id = [
-            template is not None and _ID_FIELD in template
+            template is not None
+            and any(
+                name == "internal_request_id"
+                for _, name, _, _ in string.Formatter().parse(template)
+            )
             for template in (self.abort_url, self.abort_body)
         ]
         if self.engine is Engine.GENERIC and not any(names_the_id):
