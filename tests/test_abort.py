@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -163,19 +164,46 @@ async def test_sglang_abort_names_the_rid(
     assert engine.aborts[0].ids == (internal_id,)
 
 
+@dataclass(frozen=True)
+class _CancelCall:
+    """One call a generic engine's cancel route received."""
+
+    method: str
+    match_info: dict[str, str]
+    body: bytes
+    authorization: str | None
+
+
+async def _engine_with_cancel_route(
+    upstream_app: UpstreamAppFactory, method: str, path: str
+) -> tuple[FakeEngine, str, list[_CancelCall]]:
+    """A fake engine that also serves a generic engine's cancel route (answering 204), its
+    URL, and the calls that route receives."""
+    engine = FakeEngine(token_interval=0.01)
+    calls: list[_CancelCall] = []
+
+    async def cancel(request: web.Request) -> web.Response:
+        calls.append(
+            _CancelCall(
+                request.method,
+                dict(request.match_info),
+                await request.read(),
+                request.headers.get("Authorization"),
+            )
+        )
+        return web.Response(status=204)
+
+    engine.app.router.add_route(method, path, cancel)
+    return engine, await upstream_app(engine.app), calls
+
+
 async def test_generic_engine_uses_the_configured_template(
     upstream_app: UpstreamAppFactory, tether: TetherFactory
 ) -> None:
     """TETHER_ENGINE=generic sends the configured method, URL and body template."""
-    engine = FakeEngine(token_interval=0.01)
-    calls: list[tuple[str, bytes, str | None]] = []
-
-    async def cancel(request: web.Request) -> web.Response:
-        calls.append((request.method, await request.read(), request.headers.get("Authorization")))
-        return web.Response(status=204)
-
-    engine.app.router.add_route("DELETE", "/v1/requests/cancel", cancel)
-    engine_url = await upstream_app(engine.app)
+    engine, engine_url, calls = await _engine_with_cancel_route(
+        upstream_app, "DELETE", "/v1/requests/cancel"
+    )
     server = await tether(
         engine_url,
         engine="generic",
@@ -186,7 +214,7 @@ async def test_generic_engine_uses_the_configured_template(
     )
     internal_id = await _leave_mid_stream(server, engine)
     await drained(server)
-    assert calls == [
+    assert [(call.method, call.body, call.authorization) for call in calls] == [
         ("DELETE", json.dumps({"id": internal_id}).encode(), f"Bearer {CANARY_SECRET}")
     ]
 
@@ -196,15 +224,9 @@ async def test_generic_template_names_a_client_id_safely_in_url_and_body(
 ) -> None:
     """In `preserve` mode the generic template carries the client's own ID: URL-quoted in the
     URL, JSON-escaped in the body, so that an ID with `"` or `/` names only its request."""
-    engine = FakeEngine(token_interval=0.01)
-    calls: list[tuple[str, object]] = []
-
-    async def cancel(request: web.Request) -> web.Response:
-        calls.append((request.match_info["id"], json.loads(await request.read())))
-        return web.Response(status=204)
-
-    engine.app.router.add_route("POST", "/v1/requests/{id}/cancel", cancel)
-    engine_url = await upstream_app(engine.app)
+    _, engine_url, calls = await _engine_with_cancel_route(
+        upstream_app, "POST", "/v1/requests/{id}/cancel"
+    )
     server = await tether(
         engine_url,
         engine="generic",
@@ -216,7 +238,9 @@ async def test_generic_template_names_a_client_id_safely_in_url_and_body(
     await leave_mid_stream(server, headers={"X-Request-Id": client_id})
     await drained(server)
     # One path segment (a `/` left unquoted would miss the route) and one JSON string.
-    assert calls == [(client_id, {"id": client_id, "all": False})]
+    assert [(call.match_info["id"], json.loads(call.body)) for call in calls] == [
+        (client_id, {"id": client_id, "all": False})
+    ]
 
 
 async def test_abort_never_sends_an_empty_list(
