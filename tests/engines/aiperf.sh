@@ -19,10 +19,7 @@ readonly HERE
 . "$HERE/lib.sh"
 
 if [[ ! -f "$STAMP" ]]; then
-  log "creating $VENV (takes about a minute)"
-  rm -rf "$VENV"
-  mkdir -p "$CACHE"
-  "$(pick_python)" -m venv "$VENV"
+  new_venv "a minute"
   quiet_pip install --only-binary=:all: "aiperf==$AIPERF_VERSION"
   "$VENV/bin/aiperf" --help >/dev/null
   touch "$STAMP"

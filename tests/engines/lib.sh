@@ -20,3 +20,24 @@ quiet_pip() {
   "$VENV/bin/python" -m pip --quiet --disable-pip-version-check "$@" 2>&1 \
     | { grep -v "$noise" || true; } >&2
 }
+
+# new_venv HOW_LONG: $VENV made afresh with pick_python's interpreter; HOW_LONG (e.g.
+# "2 minutes") is what the log line says the whole build takes.
+new_venv() {
+  local py
+  py="$(pick_python)"
+  log "creating $VENV with $py (takes about $1)"
+  rm -rf "$VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$py" -m venv "$VENV"
+}
+
+# publish_engine PREFIX VERSION: the tiny local model in $MODEL, then PREFIX_PYTHON,
+# PREFIX_MODEL and PREFIX_VERSION in $ENV_FILE (a line each) and on stdout (one line), as
+# the suites read them.
+publish_engine() {
+  bash "$HERE/tiny_model.sh" "$VENV/bin/python" "$MODEL"
+  local line="$1_PYTHON=$VENV/bin/python $1_MODEL=$MODEL $1_VERSION=$2"
+  printf '%s\n' "$line" | tr ' ' '\n' >"$ENV_FILE"
+  printf '%s\n' "$line"
+}

@@ -144,11 +144,7 @@ PY
 
 setup_venv() {
   if [[ -f "$VENV_STAMP" ]]; then return; fi
-  local py
-  py="$(pick_python)"
-  log "creating $VENV with $py (takes about 2-3 minutes)"
-  rm -rf "$VENV"
-  "$py" -m venv "$VENV"
+  new_venv "2-3 minutes"
   # torch==2.13.0+cpu is not on PyPI: pip finds it through its configured find-links
   # (/opt/wheels on our machines); elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU index.
   quiet_pip install --only-binary=:all: --no-deps "sglang==$SGLANG_VERSION" \
@@ -176,10 +172,7 @@ PY
 main() {
   mkdir -p "$CACHE"
   setup_venv
-  bash "$HERE/tiny_model.sh" "$VENV/bin/python" "$MODEL"
-  local line="SGLANG_PYTHON=$VENV/bin/python SGLANG_MODEL=$MODEL SGLANG_VERSION=$SGLANG_VERSION"
-  printf '%s\n' "$line" | tr ' ' '\n' >"$ENV_FILE"
-  printf '%s\n' "$line"
+  publish_engine SGLANG "$SGLANG_VERSION"
 }
 
 main "$@"

