@@ -45,7 +45,13 @@ DEFAULT_BLOCKED_PATHS = (
 
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HTTP_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
-_ID_FIELD = "{internal_request_id}"  # what an abort template replaces by the engine's ID
+_ID_NAME = "internal_request_id"  # the field an abort template names the engine's ID by
+_ID_FIELD = f"{{{_ID_NAME}}}"
+
+
+def _template_fields(template: str) -> set[str]:
+    """The names a format template replaces (`{{x}}` is literal text, not a field)."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
 
 
 class Engine(StrEnum):
@@ -276,11 +282,10 @@ class Settings(BaseSettings):
     def _template_names_only_the_id(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        names = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
-        unknown = names - {"internal_request_id"}
+        unknown = _template_fields(value) - {_ID_NAME}
         if unknown:
             raise ValueError(
-                f"may only use {{internal_request_id}}, found {{{sorted(unknown)[0]}}} "
+                f"may only use {_ID_FIELD}, found {{{sorted(unknown)[0]}}} "
                 "(write literal braces as {{ and }})"
             )
         return value
@@ -345,11 +350,7 @@ class Settings(BaseSettings):
         if self.engine is Engine.GENERIC and self.abort_url is None:
             raise ValueError("TETHER_ABORT_URL is required when TETHER_ENGINE=generic")
         names_the_id = [
-            template is not None
-            and any(
-                name == "internal_request_id"
-                for _, name, _, _ in string.Formatter().parse(template)
-            )
+            template is not None and _ID_NAME in _template_fields(template)
             for template in (self.abort_url, self.abort_body)
         ]
         if self.engine is Engine.GENERIC and not any(names_the_id):
