@@ -990,7 +990,7 @@ print("replica-2 from replica 1:", socket.gethostbyname("replica-2"),
   "${client[@]}" cut "$p2" ci-fleet-1 > "$WORK/fleet-stream.txt" 2>&1 &
   local stream_pid=$! deadline=$((SECONDS + 10))
   PIDS+=("$stream_pid")
-  until "$PY" -c "import sys, urllib.request as u; sys.exit('ci-fleet-1' not in u.urlopen('http://127.0.0.1:$a2/admin/requests').read().decode())"; do
+  until "$PY" -c "import sys, urllib.request as u; sys.exit('ci-fleet-1' not in u.urlopen(u.Request('http://127.0.0.1:$a2/admin/requests', headers={'Authorization': 'Bearer ci-fleet-token'})).read().decode())"; do
     (( SECONDS < deadline )) || die "fleet: the stream through replica 2 never showed in its /admin/requests"
     sleep 0.1
   done

@@ -25,7 +25,7 @@ from .relay import ResponseRelay
 from .settings import Settings
 from .tracing import RequestSpan
 from .upstream import UpstreamClient
-from .upstream_protocol import UpstreamExchange
+from .upstream_exchange import UpstreamExchange
 
 log = structlog.get_logger("tether.aborts")
 

@@ -1,6 +1,9 @@
 """The admin port: liveness, readiness, metrics, the in-flight list and abort by ID.
 
-Never served on the client port. Mutations need `Authorization: Bearer $TETHER_ADMIN_TOKEN`.
+Never served on the client port. The probes and `/metrics` are open (they name no request);
+everything that names or acts on requests needs `Authorization: Bearer $TETHER_ADMIN_TOKEN`:
+internal IDs are the engine's handles (a Responses API `resp_<id>` fetches or cancels a
+response), so listing them is as sensitive as aborting.
 """
 
 from __future__ import annotations
@@ -60,8 +63,12 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def list_requests(request: web.Request) -> web.Response:
     """Every in-flight request: client and internal ID, method, path, phase, age, bytes."""
+    ctx = _context(request)
+    refusal = _refuse_unauthorised(request, ctx)
+    if refusal is not None:
+        return refusal
     now = time.monotonic()
-    registry = _context(request).registry
+    registry = ctx.registry
     return web.json_response({"requests": [state.as_json(now) for state in registry]})
 
 
@@ -135,7 +142,7 @@ def _refuse_unauthorised(request: web.Request, ctx: ProxyContext) -> web.Respons
             403,
             "permission_error",
             "admin_disabled",
-            "admin mutations are disabled; set TETHER_ADMIN_TOKEN to enable them",
+            "the admin API is disabled; set TETHER_ADMIN_TOKEN to enable it",
         )
     sent = request.headers.get("Authorization", "")
     expected = f"Bearer {token.get_secret_value()}"

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, replace
 from urllib.parse import quote
 
-from .settings import Engine, Settings
+from .settings import ALLOW_PUBLIC, Engine, Settings
 from .tokens import TokenShape
 
 # Dev-mode/tokens-only route first, then the scale-out one; a default server has neither.
@@ -202,6 +202,187 @@ _SGLANG_ROUTES = (
 )
 
 
+# Engine control routes no client may reach: with them anyone could abort every request,
+# pause, reload or profile the engine, load adapters, or read the engine's own secrets. Read
+# from the route tables of the installed engines (vLLM 0.32 `build_app` under every flag and
+# environment combination; SGLang 0.5.23 `http_server.app` and the routers it includes), not
+# guessed. Matched as prefixes of the normalised path (`/update_weights` covers
+# `/update_weights_from_disk`), in every spelling (`routes.normalised_path`).
+_VLLM_CONTROL_ROUTES = (
+    "/abort_requests",  # dev mode and --tokens-only; an empty list aborts everything
+    "/inference/v1/abort_requests",  # --enable-scale-out
+    "/adapters",  # SageMaker-style LoRA load/unload (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/collective_rpc",
+    "/fault_tolerance",  # --enable-fault-tolerance
+    "/get_world_size",
+    "/is_paused",
+    "/is_scaling_elastic_ep",
+    "/is_sleeping",
+    "/kv_event_sources",
+    "/pause",
+    "/release_kv_cache_memory",
+    "/reset_encoder_cache",
+    "/reset_mm_cache",
+    "/reset_prefix_cache",
+    "/resume",
+    "/scale_elastic_ep",  # registered on every generative server, no flag
+    "/server_info",  # dev mode: the server's arguments
+    "/sleep",
+    "/wake_up",
+    "/start_profile",
+    "/stop_profile",
+    "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine",
+    "/start_weight_update",
+    "/start_draft_weight_update",
+    "/finish_weight_update",
+    "/update_weights",
+    "/update_weight_version",
+    "/weight_checker",
+    "/weight_info",
+)
+_SGLANG_CONTROL_ROUTES = (
+    "/abort_request",  # a prefix match: a short rid aborts every request it starts
+    "/pause_generation",
+    "/continue_generation",
+    "/slow_down",
+    "/flush_cache",
+    "/freeze_gc",
+    "/configure_logging",
+    "/set_internal_state",
+    "/set_trace_level",
+    "/server_info",  # both answer with api_key and admin_api_key in plain text
+    "/get_server_info",
+    "/open_session",
+    "/close_session",
+    "/load_lora_adapter",  # also covers /load_lora_adapter_from_tensors
+    "/unload_lora_adapter",
+    "/start_profile",
+    "/stop_profile",
+    "/start_expert_distribution_record",
+    "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record",
+    "/update_weights",  # _from_disk, _from_tensor, _from_distributed, _from_ipc
+    "/update_weight_version",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/get_weights_by_name",
+    "/weights_checker",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+    "/init_weights_send_group_for_remote_instance",
+    "/send_weights_to_remote_instance",
+    "/get_remote_instance_transfer_engine_info",
+    "/remote_instance_transfer_engine_info",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/pd_role_switch",
+    "/scale_elastic_ep",
+    "/is_scaling_elastic_ep",
+    "/add_external_corpus",
+    "/remove_external_corpus",
+    "/list_external_corpora",
+    "/hicache",  # storage backend attach, detach, clear
+    "/get_hicache_l3_cache_layout",
+    "/dumper",  # DUMPER_SERVER_PORT=reuse
+)
+# Other engines' (llama.cpp's slot save/restore/erase, LMDeploy's abort), blocked wherever
+# tether does not know the engine.
+_OTHER_CONTROL_ROUTES = ("/slots",)
+
+# The routes a client of each engine uses (`TETHER_ALLOWED_PATHS=public`): its inference
+# APIs and harmless reads, matched as whole path segments (`/v1/responses` covers
+# `/v1/responses/<id>/cancel`, the client's own handle). Documentation pages are left out.
+_VLLM_PUBLIC_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/audio",
+    "/v1/realtime",
+    "/v1/models",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/systemone",
+    "/v2/embed",
+    "/v2/rerank",
+    "/cohere/v2/chat",
+    "/inference/v1/generate",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/generative_scoring",
+    "/invocations",
+    "/ping",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/health",
+    "/load",
+    "/version",
+    "/metrics",
+)
+_SGLANG_PUBLIC_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/v1/audio",
+    "/v1/realtime",
+    "/v1/models",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/classify",
+    "/v1/decisions",
+    "/v1/systemone",
+    "/v1/tokenize",
+    "/v1/detokenize",
+    "/v1/loads",
+    "/generate",
+    "/encode",
+    "/classify",
+    "/invocations",
+    "/vertex_generate",
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/tokenize",
+    "/detokenize",
+    "/parse_function_call",
+    "/separate_reasoning",
+    "/get_model_info",
+    "/model_info",
+    "/health",
+    "/health_generate",
+    "/ready",
+    "/ping",
+    "/metrics",
+)
+
+
+def control_routes(engine: Engine) -> tuple[str, ...]:
+    """The control routes tether refuses in front of `engine` (all it knows of, for an
+    engine it does not know)."""
+    if engine is Engine.VLLM:
+        return _VLLM_CONTROL_ROUTES
+    if engine is Engine.SGLANG:
+        return _SGLANG_CONTROL_ROUTES
+    return tuple(
+        dict.fromkeys(_VLLM_CONTROL_ROUTES + _SGLANG_CONTROL_ROUTES + _OTHER_CONTROL_ROUTES)
+    )
+
+
+def public_routes(engine: Engine) -> tuple[str, ...]:
+    """The routes a client of `engine` uses; () for an engine tether has no table of."""
+    return {Engine.VLLM: _VLLM_PUBLIC_ROUTES, Engine.SGLANG: _SGLANG_PUBLIC_ROUTES}.get(engine, ())
+
+
 @dataclass(frozen=True, slots=True)
 class AbortCall:
     """One HTTP call that asks the engine to stop a request."""
@@ -216,6 +397,11 @@ class EngineProfile:
 
     def __init__(self, settings: Settings) -> None:
         self.engine = settings.engine
+        self.blocked_paths = settings.blocked_paths or control_routes(self.engine)
+        allowed = settings.allowed_paths
+        self.allowed_paths: tuple[str, ...] | None = (
+            public_routes(self.engine) if allowed == (ALLOW_PUBLIC,) else allowed
+        )
         self._upstream_url = settings.upstream_url
         self._abort_url = settings.abort_url
         self._abort_method = settings.abort_method

@@ -72,6 +72,28 @@ class BlockedRouteError(ClientRequestError, PermissionError):
     code = "blocked_route"
 
 
+class RouteNotAllowedError(ClientRequestError, PermissionError):
+    """TETHER_ALLOWED_PATHS is set and the path is not on it."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "route_not_allowed"
+
+
+class MethodNotAllowedError(ClientRequestError):
+    """CONNECT and TRACE: a tunnel and a request echo, never an engine's business."""
+
+    status = 405
+    code = "method_not_allowed"
+
+
+class HttpVersionNotSupportedError(ClientRequestError):
+    """A request line that is neither HTTP/1.0 nor HTTP/1.1 (`HTTP/2.0`, HTTP/0.9)."""
+
+    status = 505
+    code = "http_version_not_supported"
+
+
 # --- decided by tether's operator ------------------------------------------------------------
 
 

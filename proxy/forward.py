@@ -27,16 +27,19 @@ from multidict import istr
 
 from .aborts import StopRequest
 from .context import ProxyContext
-from .engines import Route
+from .engines import EngineProfile, Route
 from .errors import (
     AdminAbortedError,
     BlockedRouteError,
     ClientGoneError,
     ClientRequestError,
     DuplicateRequestIdError,
+    HttpVersionNotSupportedError,
     InternalError,
     InvalidRequestIdError,
+    MethodNotAllowedError,
     RequestTimeoutError,
+    RouteNotAllowedError,
     ShuttingDownError,
     StoppedByTetherError,
     TetherError,
@@ -55,11 +58,12 @@ from .request_ids import (
     check_client_request_id,
     json_escaped,
 )
-from .routes import is_blocked
+from .routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .settings import RequestIdMode
 from .tokens import TokenCounter, TokenShape
 from .tracing import RequestSpan
-from .upstream_protocol import ResponseHead, UpstreamExchange
+from .upstream_connection import ResponseHead
+from .upstream_exchange import UpstreamExchange
 
 log = structlog.get_logger("tether.request")
 
@@ -115,10 +119,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
     try:
         if ctx.readiness.draining:
             raise ShuttingDownError()
-        if is_blocked(request.rel_url.raw_path, settings.blocked_paths):
-            raise BlockedRouteError(
-                f"{request.path} is an engine control route; tether does not forward it"
-            )
+        _refuse_unforwardable(request, ctx.engine)
         client_request_id = _client_request_id(request, settings.request_id_header, ctx.ids)
         if settings.request_id_mode is RequestIdMode.UNIQUE:
             internal_request_id = ctx.ids.mint()
@@ -238,8 +239,17 @@ async def _send(
     the head and body among them, is freed for the rest of a long stream)."""
     state = cycle.state
     settings = ctx.settings
+    headers = upstream_request_headers(
+        request.headers,
+        client_request_id_header=settings.request_id_header,
+        internal_request_id=state.internal_request_id,
+        peer=request.remote,
+        scheme=request.scheme,
+        id_headers=ctx.engine.id_headers,
+    )
     outgoing = await outgoing_body(
         request,
+        headers,
         cycle.route,
         state.internal_request_id,
         max_json_body=settings.max_json_body,
@@ -248,15 +258,6 @@ async def _send(
     cycle.background = outgoing.background
     cycle.batch = outgoing.batch
     cycle.samples = outgoing.samples
-    headers = upstream_request_headers(
-        request.headers,
-        client_request_id_header=settings.request_id_header,
-        internal_request_id=state.internal_request_id,
-        peer=request.remote,
-        scheme=request.scheme,
-        body_rewritten=outgoing.rewritten,
-        id_headers=ctx.engine.id_headers,
-    )
     if cycle.span is not None:
         # The engine's own span (vLLM's llm_request) nests under tether's.
         headers.update(cycle.span.engine_headers())
@@ -367,6 +368,26 @@ async def _to_client(write: Awaitable[_T]) -> _T:
         return await write
     except ConnectionError as exc:
         raise ClientGoneError(str(exc)) from exc
+
+
+def _refuse_unforwardable(request: web.BaseRequest, engine: EngineProfile) -> None:
+    """What never reaches the engine: a request line other than HTTP/1.0 or 1.1, CONNECT and
+    TRACE, the engine's control routes, and (with an allowlist) every path not on it."""
+    if request.version not in FORWARDED_VERSIONS:
+        raise HttpVersionNotSupportedError(
+            f"HTTP/{request.version.major}.{request.version.minor} is not supported; use HTTP/1.1"
+        )
+    if request.method in REFUSED_METHODS:
+        raise MethodNotAllowedError(f"{request.method} is not forwarded to the engine")
+    raw_path = request.rel_url.raw_path
+    if is_blocked(raw_path, engine.blocked_paths):
+        raise BlockedRouteError(
+            f"{request.path} is an engine control route; tether does not forward it"
+        )
+    if engine.allowed_paths is not None and not is_allowed(raw_path, engine.allowed_paths):
+        raise RouteNotAllowedError(
+            f"{request.path} is not among the routes this tether forwards (TETHER_ALLOWED_PATHS)"
+        )
 
 
 def _client_request_id(request: web.BaseRequest, header: str, ids: IdMinter) -> str:
@@ -523,6 +544,8 @@ def _reject(request: web.BaseRequest, ctx: ProxyContext, error: TetherError) -> 
         # told it may retry at once, elsewhere.
         response.headers["Retry-After"] = "0"
         response.force_close()
+    elif isinstance(error, HttpVersionNotSupportedError):
+        response.force_close()  # whatever follows on this connection is not HTTP/1.x
     return response
 
 

@@ -33,26 +33,51 @@ _X_FORWARDED_HOST = istr("X-Forwarded-Host")
 _NONE: frozenset[str] = frozenset()
 
 
-def _connection_named(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
-    """Headers the sender declared hop-by-hop in `Connection` (RFC 9110 §7.6.1), lower-cased."""
+# Fields a `Connection` token may not remove (RFC 9110 §7.6.1 lets a sender name only
+# hop-by-hop fields there): the framing and the label the engine parses the body by, the
+# authority, and the request IDs. A client naming one is ignored, as nginx ignores it, so
+# what tether decided from a field is what the other side gets.
+_NEVER_CONNECTION_NAMED = frozenset(
+    {
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "host",
+        "x-request-id",
+        "x-override-rid",
+    }
+)
+
+
+def _connection_named(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], keep: frozenset[str]
+) -> frozenset[str]:
+    """Headers the sender declared hop-by-hop in `Connection` (RFC 9110 §7.6.1), lower-cased,
+    other than those in `keep`."""
     if "Connection" not in headers:
         return _NONE
     named: set[str] = set()
     for value in headers.getall("Connection", ()):
         named.update(token.strip().lower() for token in value.split(",") if token.strip())
-    return frozenset(named)
+    return frozenset(named - keep)
 
 
 def _end_to_end(
-    headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: tuple[str, ...]
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: tuple[str, ...], keep: str
 ) -> CIMultiDict[str]:
-    """A copy of `headers` without hop-by-hop ones, those named in `Connection` and
+    """A copy of `headers` without hop-by-hop ones, those named in `Connection` (never the
+    fields of `_NEVER_CONNECTION_NAMED` or `keep`, the client's request-ID header) and
     `also_drop` (copy, then remove: a few lookups in C instead of a pass in Python)."""
     result = CIMultiDict(headers)
-    for name in _dropped(also_drop) | _connection_named(headers):
+    for name in _dropped(also_drop) | _connection_named(headers, _kept(keep)):
         if name in result:
             result.popall(name)
     return result
+
+
+@functools.lru_cache(maxsize=8)
+def _kept(request_id_header: str) -> frozenset[str]:
+    return _NEVER_CONNECTION_NAMED | {request_id_header.lower()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -68,7 +93,6 @@ def upstream_request_headers(
     internal_request_id: str,
     peer: str | None,
     scheme: str,
-    body_rewritten: bool,
     id_headers: tuple[str, ...] = (UPSTREAM_REQUEST_ID_HEADER,),
 ) -> CIMultiDict[str]:
     """Headers to send upstream for one client request.
@@ -76,13 +100,11 @@ def upstream_request_headers(
     The client's own request ID never reaches the engine: tether's internal ID replaces it in
     every header the engine keys requests by (`X-Request-Id` for vLLM and most servers, plus
     SGLang's `X-Override-Rid`), so a client cannot pick the engine's ID through any of them.
-    `Host` is left to the HTTP client so it names the upstream. A rewritten body has a new
-    length.
+    `Host` is left to the HTTP client so it names the upstream; the body's framing to the
+    caller, who knows what body it sends.
     """
     also_drop = (_HOST, _EXPECT, client_request_id_header, *id_headers)
-    if body_rewritten:
-        also_drop += (_CONTENT_LENGTH,)
-    result = _end_to_end(headers, also_drop)
+    result = _end_to_end(headers, also_drop, client_request_id_header)
     if peer:
         forwarded_for = headers.get(_X_FORWARDED_FOR)
         result[_X_FORWARDED_FOR] = f"{forwarded_for}, {peer}" if forwarded_for else peer
@@ -110,6 +132,6 @@ def client_response_headers(
     also_drop: tuple[str, ...] = (client_request_id_header, UPSTREAM_REQUEST_ID_HEADER)
     if body_rewritten:
         also_drop += (_CONTENT_LENGTH,)
-    result = _end_to_end(headers, also_drop)
+    result = _end_to_end(headers, also_drop, client_request_id_header)
     result[client_request_id_header] = client_request_id
     return result

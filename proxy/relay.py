@@ -14,7 +14,7 @@ from aiohttp.abc import AbstractStreamWriter
 
 from .request_ids import IdMapper
 from .tokens import TokenCounter
-from .upstream_protocol import UpstreamExchange
+from .upstream_exchange import UpstreamExchange
 
 # Below this a chunk is copied into its chunked framing (one buffer is cheaper to send than
 # three); above it the framing goes out beside it (aiohttp's own threshold).

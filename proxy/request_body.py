@@ -3,22 +3,32 @@ whole where tether must write its ID into the JSON (SGLang's `rid`, vLLM's body 
 the Responses API's `request_id`). Either way a client that goes silent mid-body for
 TETHER_CLIENT_BODY_TIMEOUT seconds gets a 408, and `Expect: 100-continue` is answered only
 once tether's own checks have passed (tether's server has no router to answer it
-before)."""
+before).
+
+Whether a body is JSON is decided by what it is, not by its label: FastAPI parses a body
+without (or with an empty) Content-Type as JSON, releases before its strict checking parse
+any body, and a handler that calls `request.json()` ignores the label. So on a route where
+tether owns an ID field, a body labelled JSON (or not labelled) is read whole, and any other
+body is read whole too as soon as its first character says it could be a JSON object, in
+whatever UTF encoding `json.loads` would detect. Only a body that cannot be one (a multipart
+upload, audio, plain text) streams through untouched: no engine can read an ID out of it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from multidict import istr
+from multidict import CIMultiDict, istr
 
 from .engines import BodyField, Route
 from .errors import ClientBodyTimeoutError, InvalidRequestBodyError, RequestBodyTooLargeError
 from .request_ids import InvalidJsonBody, read_json_object, write_json_object
-from .upstream_protocol import RequestBody
+from .upstream_exchange import RequestBody
 
 _CONTENT_TYPE = istr("Content-Type")
 _EXPECT = istr("Expect")
@@ -45,36 +55,44 @@ class OutgoingBody:
 
 async def outgoing_body(
     request: web.BaseRequest,
+    forwarded: CIMultiDict[str],
     route: Route | None,
     internal_request_id: str,
     *,
     max_json_body: int,
     body_timeout: float,
 ) -> OutgoingBody:
-    """The body to send upstream for `request` on `route`."""
+    """The body to send upstream for `request` on `route`; `forwarded` are the headers the
+    engine will get (its Content-Type, not one a `Connection` token removed)."""
     if not request.body_exists:
         return OutgoingBody(None)
     fields = route.body_fields if route is not None else ()
     # Read whole where tether writes its ID in, or must learn from the body which engine
     # requests it makes (a batch, n > 1) even when the ID goes in a header.
     must_read = route is not None and bool(fields or route.fan_out or route.samples_unnamed)
-    if not (must_read and _engine_reads_as_json(request)):
+    if not must_read:
         await _send_continue_if_asked(request)
         return OutgoingBody(stream_body(request, body_timeout))
-    if request.content_length is not None and request.content_length > max_json_body:
-        raise RequestBodyTooLargeError(
-            f"the JSON body is {request.content_length} bytes; the limit is {max_json_body} "
-            "(TETHER_MAX_JSON_BODY)"
-        )
+    labelled_json = _labelled_json(forwarded)
+    if labelled_json:
+        _check_declared_length(request, max_json_body)
     await _send_continue_if_asked(request)
-    body = await _read_whole(request, max_json_body, body_timeout)
+    start = b""
+    if not labelled_json:
+        start = await _read_start(request, body_timeout)
+        if not _could_be_json_object(start):
+            return OutgoingBody(stream_body(request, body_timeout, start))
+        _check_declared_length(request, max_json_body)
+    body = start + await _read_whole(request, max_json_body - len(start), body_timeout)
     assert route is not None
-    needed = [field for field in fields if field.always or _mentions(body, field)]
-    if not (needed or route.may_run_in_background or route.fan_out or route.samples_unnamed):
+    maybe = [field for field in fields if field.always or _mentions(body, field)]
+    if not (maybe or route.may_run_in_background or route.fan_out or route.samples_unnamed):
         return OutgoingBody(body)
     try:
         document = read_json_object(body)
     except InvalidJsonBody as exc:
+        if not labelled_json:
+            return OutgoingBody(body)  # not JSON after all: nothing for an engine to read
         raise InvalidRequestBodyError(str(exc)) from None
     n = document.get("n")
     outgoing = OutgoingBody(
@@ -83,11 +101,20 @@ async def outgoing_body(
         batch=_batch(document, route.fan_out),
         samples=n if isinstance(n, int) and n > 1 else 1,
     )
+    needed = [field for field in maybe if field.always or _holds(document, field.name)]
     if needed:
         for field in needed:
             _set_field(document, field.name, field.value.format(id=internal_request_id))
         outgoing.body, outgoing.rewritten = write_json_object(document), True
     return outgoing
+
+
+def _check_declared_length(request: web.BaseRequest, limit: int) -> None:
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestBodyTooLargeError(
+            f"the JSON body is {request.content_length} bytes; the limit is {limit} "
+            "(TETHER_MAX_JSON_BODY)"
+        )
 
 
 def _set_field(document: dict[str, Any], name: str, value: str) -> None:
@@ -100,6 +127,17 @@ def _set_field(document: dict[str, Any], name: str, value: str) -> None:
             inner = document[key] = {}
         document = inner
     document[last] = value
+
+
+def _holds(document: dict[str, Any], name: str) -> bool:
+    """Whether the body has the field `name` (dotted for a field inside an object field)."""
+    *outer, last = name.split(".")
+    for key in outer:
+        inner = document.get(key)
+        if not isinstance(inner, dict):
+            return False
+        document = inner
+    return last in document
 
 
 def _batch(document: dict[str, Any], fields: tuple[str, ...]) -> int | None:
@@ -115,7 +153,12 @@ def _batch(document: dict[str, Any], fields: tuple[str, ...]) -> int | None:
     return None
 
 
-async def stream_body(request: web.BaseRequest, timeout: float) -> AsyncIterator[bytes]:
+async def stream_body(
+    request: web.BaseRequest, timeout: float, start: bytes = b""
+) -> AsyncIterator[bytes]:
+    """The body as it arrives (after `start`, what was already read of it)."""
+    if start:
+        yield start
     while chunk := await _read_chunk(request, timeout):
         yield chunk
 
@@ -148,7 +191,9 @@ async def _read_chunk(request: web.BaseRequest, timeout: float) -> bytes:
 
 
 def _mentions(body: bytes, field: BodyField) -> bool:
-    return field.quoted_name in body
+    """Whether the body may hold the field: its name as written, or a body that could spell
+    it otherwise (`\\u` escapes in a name, a UTF-16 or UTF-32 body): then it is parsed."""
+    return field.quoted_name in body or b"\\u" in body or b"\x00" in body
 
 
 async def _send_continue_if_asked(request: web.BaseRequest) -> None:
@@ -157,13 +202,44 @@ async def _send_continue_if_asked(request: web.BaseRequest) -> None:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
-def _engine_reads_as_json(request: web.BaseRequest) -> bool:
-    """Whether the engine's HTTP layer (FastAPI for vLLM and SGLang) parses this body as JSON:
-    no Content-Type at all, application/json or application/*+json. Rewriting only bodies
-    labelled application/json would let a client's own `rid` through unlabelled."""
-    if _CONTENT_TYPE not in request.headers:
-        return True
-    media_type = request.content_type.lower()
-    return media_type == "application/json" or (
-        media_type.startswith("application/") and media_type.endswith("+json")
+def _labelled_json(forwarded: CIMultiDict[str]) -> bool:
+    """Whether a Content-Type the engine gets says JSON, or none does (no field, or an empty
+    one): FastAPI parses such a body as JSON."""
+    labels = [
+        value.partition(";")[0].strip().lower() for value in forwarded.getall(_CONTENT_TYPE, ())
+    ]
+    return not any(labels) or any(
+        label == "application/json"
+        or (label.startswith("application/") and label.endswith("+json"))
+        for label in labels
     )
+
+
+# Enough of a body's start to see its encoding and first character through leading
+# whitespace; a body that is only whitespace this far is read whole (bounded).
+_SNIFF_BYTES = 4096
+_JSON_WHITESPACE = " \t\r\n"
+
+
+async def _read_start(request: web.BaseRequest, timeout: float) -> bytes:
+    """The body's first bytes: enough to tell whether it could be a JSON object."""
+    start = b""
+    while len(start) < _SNIFF_BYTES and _could_be_json_object(start, final=False) is None:
+        chunk = await _read_chunk(request, timeout)
+        if not chunk:
+            break
+        start += chunk
+    return start
+
+
+def _could_be_json_object(start: bytes, *, final: bool = True) -> bool | None:
+    """Whether a body beginning with `start` could parse as a JSON object the way
+    `json.loads` reads bytes (FastAPI's parser): its encoding detected from the first bytes
+    (UTF-8, -16 or -32, a BOM), then whitespace, then `{`. None while `start` is too short to
+    tell (only when not `final`)."""
+    if len(start) < 4 and not final:
+        return None
+    text = start.decode(json.detect_encoding(start), errors="ignore").lstrip(_JSON_WHITESPACE)
+    if not text:
+        return None if not final and len(start) < _SNIFF_BYTES else True
+    return text[0] == "{"

@@ -1,4 +1,5 @@
-"""Pure path rules: which client paths are engine control routes. No I/O."""
+"""Pure path rules: which client paths are engine control routes, which an allowlist lets
+through, and which methods and HTTP versions are never forwarded. No I/O."""
 
 from __future__ import annotations
 
@@ -39,3 +40,20 @@ def is_blocked(raw_path: str, blocked_paths: tuple[str, ...]) -> bool:
     Clients use a handful of paths, so the answer is remembered per path (a bounded cache:
     many distinct paths only cost the normalisation, never memory)."""
     return normalised_path(raw_path).startswith(blocked_paths)
+
+
+@functools.lru_cache(maxsize=1024)
+def is_allowed(raw_path: str, allowed_paths: tuple[str, ...]) -> bool:
+    """True when the path is one of `allowed_paths` or lies below one (whole segments:
+    `/v1/responses` allows `/v1/responses/<id>`, never `/v1/responses_admin`)."""
+    path = normalised_path(raw_path)
+    return any(
+        path == allowed or path.startswith(allowed + "/") or allowed == "/"
+        for allowed in allowed_paths
+    )
+
+
+# A tunnel and a request echo: never an engine's business (nginx answers 405 to both).
+REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
+# What tether speaks to clients and forwards: HTTP/1.0 and HTTP/1.1 request lines.
+FORWARDED_VERSIONS = frozenset({(1, 0), (1, 1)})

@@ -16,32 +16,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "TETHER_"
 
-# Engine control routes that must never be reachable by clients: with them, anyone could
-# abort, pause or reload the engine. Matched case-insensitively on the normalised path, as a
-# path prefix, so `/update_weights_from_disk` is covered by `/update_weights`.
-DEFAULT_BLOCKED_PATHS = (
-    "/abort_requests",
-    "/abort_request",
-    "/inference/v1/abort_requests",
-    "/pause",
-    "/resume",
-    "/is_paused",
-    "/sleep",
-    "/wake_up",
-    "/collective_rpc",
-    "/reset_prefix_cache",
-    "/reset_mm_cache",
-    "/update_weights",
-    "/init_weight_transfer_engine",
-    "/init_weights_update_group",
-    "/release_memory_occupation",
-    "/resume_memory_occupation",
-    "/flush_cache",
-    "/start_profile",
-    "/stop_profile",
-    "/configure_logging",
-    "/slots",
-)
+# TETHER_ALLOWED_PATHS=public: the engine's own list of the routes its clients use.
+ALLOW_PUBLIC = "public"
 
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HTTP_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
@@ -140,7 +116,9 @@ class Settings(BaseSettings):
         None, description="Sent as a bearer token on abort calls (SGLang admin key)."
     )
     admin_token: SecretStr | None = Field(
-        None, description="Bearer token for POST /admin/abort; unset refuses admin mutations."
+        None,
+        description="Bearer token for the admin API (GET /admin/requests, POST /admin/abort); "
+        "unset refuses it.",
     )
     request_id_header: str = Field("X-Request-Id", description="The header clients use.")
     request_id_mode: RequestIdMode = Field(
@@ -188,9 +166,16 @@ class Settings(BaseSettings):
     )
     upstream_health_path: str = Field("/health", description="Engine path polled for readiness.")
     health_interval: Seconds = Field(2.0, description="Seconds between readiness checks.")
-    blocked_paths: Annotated[tuple[str, ...], NoDecode] = Field(
-        DEFAULT_BLOCKED_PATHS,
-        description="Comma-separated engine control routes refused with 403 (prefix match).",
+    blocked_paths: Annotated[tuple[str, ...] | None, NoDecode] = Field(
+        None,
+        description="Comma-separated engine control routes refused with 403 (prefix match); "
+        "unset: the engine's built-in list, read from its route table.",
+    )
+    allowed_paths: Annotated[tuple[str, ...] | None, NoDecode] = Field(
+        None,
+        description="Comma-separated paths (whole segments: /v1/responses covers "
+        "/v1/responses/<id>) that alone are forwarded, others refused with 403; public: the "
+        "engine's inference and read-only routes (vllm, sglang); unset: every path not blocked.",
     )
     max_json_body: int = Field(
         32 * 1024 * 1024,
@@ -304,21 +289,25 @@ class Settings(BaseSettings):
             raise ValueError("must start with /")
         return value
 
-    @field_validator("blocked_paths", "fleet_peers", mode="before")
+    @field_validator("blocked_paths", "allowed_paths", "fleet_peers", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("blocked_paths")
+    @field_validator("blocked_paths", "allowed_paths")
     @classmethod
-    def _blocked_are_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+    def _are_paths(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return value
         if not value:
-            raise ValueError("must name at least one path; leave it unset for the built-in list")
+            raise ValueError("must name at least one path; leave it unset for the default")
+        if value == (ALLOW_PUBLIC,):
+            return value
         for path in value:
             if not path.startswith("/"):
-                raise ValueError(f"{path!r} must start with /")
+                raise ValueError(f"{path!r} must start with / (or the whole value be public)")
         return tuple(path.rstrip("/").lower() or "/" for path in value)
 
     def secret_values(self) -> tuple[str, ...]:
@@ -363,6 +352,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"TETHER_ABORT_URL may contain {_ID_FIELD} only when TETHER_ENGINE=generic "
                 f"({self.engine.value}'s abort route names requests in its body)"
+            )
+        if self.blocked_paths == (ALLOW_PUBLIC,):
+            raise ValueError("TETHER_BLOCKED_PATHS: 'public' is a value of TETHER_ALLOWED_PATHS")
+        if self.allowed_paths == (ALLOW_PUBLIC,) and self.engine not in (
+            Engine.VLLM,
+            Engine.SGLANG,
+        ):
+            raise ValueError(
+                "TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE=vllm or sglang (tether has no "
+                f"route table of {self.engine.value}); list the paths instead"
             )
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")

@@ -1,6 +1,7 @@
 """The only module that knows where the engine is: client requests go over tether's own
-HTTP/1.1 connections (`upstream_protocol`), abort calls and health checks over aiohttp
-sessions with connections of their own, so neither queues behind the relay."""
+HTTP/1.1 connections (`upstream_pool`, `upstream_connection`, `upstream_exchange`), abort
+calls and health checks over aiohttp sessions with connections of their own, so neither
+queues behind the relay."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from multidict import CIMultiDict
 
 from .engines import AbortCall
 from .settings import Settings
-from .upstream_protocol import UpstreamExchange, UpstreamPool
+from .upstream_exchange import UpstreamExchange
+from .upstream_pool import UpstreamPool
 
 # Idle pooled connections are closed after this long: below uvicorn's default keep-alive of
 # 5 s (vLLM, SGLang), so tether never sends a request on a connection the engine is closing.
@@ -87,7 +89,7 @@ class UpstreamClient:
 
     def exchange(self, method: str) -> UpstreamExchange:
         """A new exchange for one client request; `send` it with `request_head`."""
-        return self._pool.exchange(head_only=method == "HEAD")
+        return UpstreamExchange(self._pool, method)
 
     def request_head(
         self,

@@ -4,6 +4,7 @@ abort by ID behind a token."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from typing import Any
 
@@ -129,13 +130,15 @@ async def test_in_flight_requests_are_listed(
 ) -> None:
     """/admin/requests shows both IDs, method, path, phase, age and bytes of each request."""
     engine, engine_url = await fake_engine(token_interval=0.01)
-    server = await tether(engine_url)
+    server = await tether(engine_url, admin_token=CANARY_SECRET)
     stream = await http.post(
         url(server), json=chat_body(max_tokens=10_000), headers={"X-Request-Id": "listed"}
     )
     await stream.content.readuntil(b"tok0")
 
-    async with http.get(admin_url(server, "/admin/requests")) as response:
+    async with http.get(
+        admin_url(server, "/admin/requests"), headers={"Authorization": f"Bearer {CANARY_SECRET}"}
+    ) as response:
         [listed] = (await response.json())["requests"]
     stream.close()
     [internal_id] = engine.generations
@@ -147,6 +150,40 @@ async def test_in_flight_requests_are_listed(
         "streaming",
     )
     assert listed["age_seconds"] >= 0 and listed["bytes_out"] > 0
+
+
+@pytest.mark.parametrize("token", [None, CANARY_SECRET], ids=["no-token-set", "token-set"])
+@pytest.mark.parametrize("sent", [None, "Bearer wrong"], ids=["none-sent", "wrong-sent"])
+async def test_in_flight_list_names_no_request_without_the_token(
+    fake_engine: FakeEngineFactory,
+    tether: TetherFactory,
+    http: aiohttp.ClientSession,
+    token: str | None,
+    sent: str | None,
+) -> None:
+    """Internal IDs are engine handles (`resp_<id>` fetches a response): /admin/requests
+    answers 403 (no token configured) or 401 (none or a wrong one sent) and names none of
+    them, while the probes and /metrics stay open."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url, admin_token=token)
+    stream = await http.post(
+        url(server), json=chat_body(max_tokens=10_000), headers={"X-Request-Id": "secret-job"}
+    )
+    await stream.content.readuntil(b"tok0")
+    [internal_id] = engine.generations
+    headers = {"Authorization": sent} if sent is not None else {}
+
+    async with http.get(admin_url(server, "/admin/requests"), headers=headers) as response:
+        body = await response.text()
+        status = response.status
+    for probe in ("/healthz", "/readyz", "/metrics"):
+        async with http.get(admin_url(server, probe)) as open_response:
+            assert open_response.status == 200, probe
+    stream.close()
+
+    assert status == (403 if token is None else 401)
+    assert internal_id not in body and "secret-job" not in body
+    assert "TETHER_ADMIN_TOKEN" in json.loads(body)["error"]["message"]
 
 
 async def test_admin_abort_is_refused_without_a_configured_token(

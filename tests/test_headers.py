@@ -33,7 +33,6 @@ def _upstream(headers: CIMultiDict[str], **overrides: object) -> CIMultiDict[str
         "internal_request_id": "i" * 32,
         "peer": "10.0.0.9",
         "scheme": "http",
-        "body_rewritten": False,
     }
     options.update(overrides)
     return upstream_request_headers(headers, **options)  # type: ignore[arg-type]
@@ -92,12 +91,44 @@ def test_forwarded_headers_are_added_and_appended() -> None:
     assert "Host" not in result
 
 
-def test_rewritten_body_drops_the_old_length_and_expect_is_not_forwarded() -> None:
-    """A body tether rewrote gets a new length; `Expect` was answered by tether already."""
+def test_expect_is_not_forwarded() -> None:
+    """`Expect` was answered by tether already; the length is left to the caller, who frames
+    the body it sends (a rewritten one gets its own length)."""
     sent = CIMultiDict([("Content-Length", "10"), ("Expect", "100-continue")])
-    assert "Content-Length" in _upstream(sent)
-    result = _upstream(sent, body_rewritten=True)
-    assert "Content-Length" not in result and "Expect" not in result
+    result = _upstream(sent)
+    assert "Expect" not in result and result["Content-Length"] == "10"
+
+
+# What a `Connection` token may never remove: the fields tether decides from (the body's
+# label and framing, the authority) and the request IDs.
+_NEVER_NAMED = ("Content-Type", "Content-Length", "Transfer-Encoding", "Host", "X-Request-Id")
+
+
+def test_connection_cannot_name_the_fields_tether_decides_from() -> None:
+    """`Connection: Content-Type, Content-Length, Host, X-Request-Id` is ignored for those
+    fields, in both directions: the engine gets the Content-Type tether read the body by (a
+    client could otherwise have it removed after tether decided not to read the body), and
+    the client the label its body was mapped by."""
+    sent = CIMultiDict(
+        [
+            ("Connection", ", ".join(name.upper() for name in _NEVER_NAMED) + ", X-Hop"),
+            ("Content-Type", "application/json"),
+            ("Content-Length", "2"),
+            ("Host", "api.example"),
+            ("X-Hop", "1"),
+        ]
+    )
+    upstream = _upstream(sent)
+    assert upstream["Content-Type"] == "application/json"
+    assert upstream["Content-Length"] == "2"
+    assert upstream["X-Forwarded-Host"] == "api.example"
+    assert "X-Hop" not in upstream
+    response = client_response_headers(
+        sent, client_request_id_header="X-Request-Id", client_request_id="c", body_rewritten=False
+    )
+    assert response["Content-Type"] == "application/json"
+    assert response["X-Request-Id"] == "c"
+    assert "X-Hop" not in response
 
 
 def test_response_carries_the_client_id_not_the_engine_echo() -> None:
@@ -172,4 +203,5 @@ def test_no_hop_by_hop_header_ever_crosses(headers: list[tuple[str, str]]) -> No
     ):
         result_names = {name.lower() for name in result}
         assert not result_names & _CONNECTION_SPECIFIC
-        assert not result_names & (named - added)
+        never_named = {name.lower() for name in _NEVER_NAMED}
+        assert not result_names & (named - added - never_named)

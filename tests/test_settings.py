@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.settings import DEFAULT_BLOCKED_PATHS, Engine, Settings
+from proxy.settings import Engine, Settings
 
 from .conftest import make_settings
 from .support.canaries import CANARY_SECRET
@@ -61,6 +61,22 @@ from .support.processes import run_tether_cli
             "TETHER_BLOCKED_PATHS",
         ),
         (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_ALLOWED_PATHS": "v1/models"},
+            "TETHER_ALLOWED_PATHS",
+        ),
+        (  # tether has no route table of an engine it does not know
+            {
+                "TETHER_UPSTREAM_URL": "http://x",
+                "TETHER_ENGINE": "none",
+                "TETHER_ALLOWED_PATHS": "public",
+            },
+            "TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE=vllm or sglang",
+        ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_BLOCKED_PATHS": "public"},
+            "TETHER_BLOCKED_PATHS",
+        ),
+        (
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "9000", "TETHER_ADMIN_PORT": "9000"},
             "TETHER_ADMIN_PORT",
         ),
@@ -93,7 +109,8 @@ def test_defaults_match_the_documented_ones() -> None:
     assert settings.request_id_header == "X-Request-Id"
     assert settings.connect_timeout == 5
     assert settings.request_timeout is None and settings.stream_idle_timeout is None
-    assert settings.blocked_paths == DEFAULT_BLOCKED_PATHS
+    assert settings.blocked_paths is None  # the engine's own list (test_control_routes.py)
+    assert settings.allowed_paths is None
 
 
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -116,7 +133,7 @@ def test_empty_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None
     for name in ("TETHER_BLOCKED_PATHS", "TETHER_ADMIN_TOKEN", "TETHER_REQUEST_TIMEOUT"):
         monkeypatch.setenv(name, "")
     settings = Settings()  # type: ignore[call-arg]
-    assert settings.blocked_paths == DEFAULT_BLOCKED_PATHS
+    assert settings.blocked_paths is None
     assert settings.admin_token is None and settings.request_timeout is None
 
 

@@ -37,6 +37,10 @@ def _raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, max(hard, target)))
 
 
+_ADMIN_TOKEN = "soak-admin-token"
+_ADMIN_HEADERS = {"Authorization": f"Bearer {_ADMIN_TOKEN}"}
+
+
 def _rss_and_fds(pid: int) -> tuple[int, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kib = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
@@ -57,7 +61,10 @@ async def test_soak_rounds_lose_nothing_and_leak_nothing(
     # process) and tether sustain on 2 cores, so every stream overlaps every other.
     engine, engine_url = await fake_engine(token_interval=0.25)
     process = await tether_process(
-        engine_url, TETHER_LOG_LEVEL="warning", TETHER_ABORT_REPEAT_DELAY="0"
+        engine_url,
+        TETHER_LOG_LEVEL="warning",
+        TETHER_ABORT_REPEAT_DELAY="0",
+        TETHER_ADMIN_TOKEN=_ADMIN_TOKEN,
     )
     port, admin_port = process.port, process.admin_port
     _, baseline_fds = _rss_and_fds(process.pid)
@@ -170,7 +177,9 @@ async def _explain_stuck(engine: FakeEngine, admin_port: int, stuck: dict[str, s
     }
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        async with session.get(f"http://127.0.0.1:{admin_port}/admin/requests") as response:
+        async with session.get(
+            f"http://127.0.0.1:{admin_port}/admin/requests", headers=_ADMIN_HEADERS
+        ) as response:
             in_flight = {r["client_request_id"]: r for r in (await response.json())["requests"]}
     lines = []
     for client_id, error in list(stuck.items())[:20]:
@@ -189,7 +198,9 @@ async def _wait_idle(admin_port: int) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
 
         async def idle() -> bool:
-            async with session.get(f"http://127.0.0.1:{admin_port}/admin/requests") as response:
+            async with session.get(
+                f"http://127.0.0.1:{admin_port}/admin/requests", headers=_ADMIN_HEADERS
+            ) as response:
                 return bool((await response.json())["requests"] == [])
 
         await poll_until(idle, 30, interval=0.1, what="tether's in-flight list to empty")

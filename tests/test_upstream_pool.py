@@ -1,6 +1,6 @@
 """tether's keep-alive connections to the engine: reused while fresh, closed before the
-engine's own keep-alive would close them, never reused after a client left, and a request
-that met a connection the engine had just closed is sent once more on a new one."""
+engine's own keep-alive would close them, never reused after a client left. (What may be sent
+again after the engine closed a reused connection is in test_protocol_safety.py.)"""
 
 from __future__ import annotations
 
@@ -22,12 +22,10 @@ CountingEngineFactory = Callable[..., Awaitable[tuple[str, list[int]]]]
 async def counting_engine() -> AsyncIterator[CountingEngineFactory]:
     """A minimal engine that answers every request with a small JSON body; it records, per
     connection, how many client requests (POSTs: tether's health checks are GETs on their own
-    connections) it served, and can drop the request that follows N answers on a
-    connection, closing it without a word (the race of an engine's keep-alive timeout firing
-    as a request arrives)."""
+    connections) it served."""
     servers: list[asyncio.Server] = []
 
-    async def start(drop_after: int | None = None) -> tuple[str, list[int]]:
+    async def start() -> tuple[str, list[int]]:
         served: list[int] = []
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -44,8 +42,6 @@ async def counting_engine() -> AsyncIterator[CountingEngineFactory]:
                         if index is None:
                             index = len(served)
                             served.append(0)
-                        if drop_after is not None and served[index] >= drop_after:
-                            break
                         served[index] += 1
                     writer.write(
                         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
@@ -95,19 +91,6 @@ async def test_idle_connections_are_closed_before_the_engines_keep_alive(
     async with http.post(url(server), json=chat_body(stream=False)) as response:
         assert response.status == 200
     assert served == [1, 1]
-
-
-async def test_a_connection_the_engine_closed_unannounced_is_retried_once(
-    counting_engine: CountingEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
-) -> None:
-    """The engine closes a connection, without an answer, when a second request arrives on
-    it: tether sends that request again on a new connection; the client never sees it."""
-    engine_url, served = await counting_engine(drop_after=1)
-    server = await tether(engine_url)
-    for _ in range(3):
-        async with http.post(url(server), json=chat_body(stream=False)) as response:
-            assert response.status == 200
-    assert served == [1, 1, 1]
 
 
 async def test_a_connection_is_never_reused_after_its_client_left(

@@ -228,7 +228,9 @@ class Tether:
 
     def in_flight_requests(self) -> list[dict[str, Any]]:
         """`GET /admin/requests`: what tether is serving now."""
-        status, body = http_get(self.admin_url + "/admin/requests")
+        status, body = http_get(
+            self.admin_url + "/admin/requests", headers={"Authorization": f"Bearer {self.token}"}
+        )
         assert status == 200, f"GET /admin/requests answered {status}: {body[:200]!r}"
         listing = json.loads(body)
         if isinstance(listing, dict):  # tolerate {"requests": [...]}
