@@ -2,10 +2,32 @@
 
 Each stop is a tracked task that outlives the cancelled handler. Where the engine has a
 working abort route, tether calls it and keeps reading (not relaying) the engine's response
-until it ends or until TETHER_ABORT_CONFIRM_TIMEOUT after the client left: `confirmed` then
-rests on what the engine did, not on what tether sent. Everywhere else, and whenever the call
-fails, the upstream connection is dropped at once (the engine's other signal). What the engine
-produced after the client left is counted on the way.
+to see it end: `confirmed` rests on what the engine did, not on what tether sent. Everywhere
+else, and whenever the call fails, the upstream connection is dropped at once (the engine's
+other signal). What the engine produced after the client left is counted on the way.
+
+Keeping the connection open must never cost generation a plain close would have saved. An
+engine front end with several processes (vLLM with `--api-server-count` above 1, its default
+for a data-parallel pod) answers 200 to an abort that reached a process not holding the
+request, which then runs on, while the process that does hold it notices its own connection
+close within milliseconds. So:
+
+- the connection stays open only for the confirm window: as many engine steps as this
+  engine's accepted aborts take to end a response, and no less than its HTTP side's own
+  delays (its profile says; a step is measured on the stream itself, or on the engine's
+  recent streams);
+- past the window the connection is dropped (`unconfirmed`). Repeats of the call go out on
+  fresh connections, which the kernel may give to another process (the first call goes on
+  a kept-alive control connection), until TETHER_ABORT_CONFIRM_TIMEOUT: an engine that
+  notices a dropped connection late (SGLang's 4 s poll for a non-streaming request, vLLM
+  behind a middleware that hides it) is stopped by the repeat that reaches the right
+  process. A request the engine may not have registered yet (sent moments ago, no response
+  begun) gets its window only from then: an abort can overtake its request;
+- once the front end has missed aborts of requests it certainly held (its response had
+  begun, or it had it for long enough: two of the last eight), later stops drop the
+  connection at the moment the call goes out (`dropped`), as a plain close would, for a
+  minute after the last miss; one stop in sixteen still waits for its confirmation, to
+  notice when misses stop.
 """
 
 from __future__ import annotations
@@ -19,7 +41,7 @@ from enum import StrEnum
 import aiohttp
 import structlog
 
-from .engines import AbortCall, EngineProfile
+from .engines import AbortCall, ConfirmRule, EngineProfile
 from .metrics import Metrics
 from .relay import ResponseRelay
 from .settings import Settings
@@ -38,8 +60,9 @@ _FIRST_BACKOFF = 0.05
 
 
 class AbortResult(StrEnum):
-    CONFIRMED = "confirmed"  # the engine ended the response within the confirm timeout
+    CONFIRMED = "confirmed"  # the engine ended the response within the confirm window
     UNCONFIRMED = "unconfirmed"  # the call was accepted, the response went on: dropped
+    DROPPED = "dropped"  # the call was accepted; dropped at once (a front end that misses)
     NOT_SUPPORTED = "not_supported"  # the engine has no abort route: dropped
     UNKNOWN_ROUTE = "unknown_route"  # tether cannot name the engine's ID here: dropped
     FAILED = "failed"  # the call failed (deadline, errors, refused): dropped
@@ -82,6 +105,11 @@ class _CallQueue:
         self._start_calls()
         return outcome
 
+    async def drain(self) -> None:
+        """Until no call is in flight (a repeat nobody waits for any more included)."""
+        while self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+
     def _start_calls(self) -> None:
         limit = _CALLS_IN_FLIGHT if self._merges else _CALLS_IN_FLIGHT_UNMERGED
         while self._waiting and len(self._in_flight) < limit:
@@ -118,6 +146,60 @@ class _CallQueue:
             self._start_calls()
 
 
+# What a confirm window adds to the engine's steps: the call's way back, timer resolution.
+_WINDOW_MARGIN = 0.01
+# Until a stream's steps were measured: a step this long.
+_DEFAULT_STEP = 0.02
+# The front end misses aborts when this many of the last _OUTCOMES stops that waited to
+# confirm (of requests it certainly held) missed: one slow confirmation is not a pattern.
+_MISSES = 2
+_OUTCOMES = 8
+_DROP_MODE_SECONDS = 60.0
+_SAMPLE_EVERY = 16
+
+
+class FrontEnd:
+    """What tether has learnt of the engine's front end: how long a step takes (from the
+    streams it relayed), and whether it misses aborts (several processes behind one port)."""
+
+    __slots__ = ("_cap", "_drop_until", "_outcomes", "_rule", "_stops", "step")
+
+    def __init__(self, rule: ConfirmRule, cap: float) -> None:
+        self._rule = rule
+        self._cap = cap
+        self.step = _DEFAULT_STEP
+        self._outcomes: deque[bool] = deque(maxlen=_OUTCOMES)
+        self._drop_until = 0.0
+        self._stops = 0
+
+    def note_step(self, seconds: float) -> None:
+        """A stream's step, measured when its client left (a moving average)."""
+        self.step += 0.25 * (seconds - self.step)
+
+    def window(self, step: float | None) -> float:
+        """The confirm window for a request whose own step is `step` (None: not measured)."""
+        steps = self._rule.steps * (step if step is not None else self.step) + _WINDOW_MARGIN
+        return min(max(steps, self._rule.floor), self._cap)
+
+    def confirm_outcome(self, missed: bool, now: float) -> bool:
+        """A stop that waited to confirm an abort of a request the engine held ended (its first
+        call `missed` or not). True when that starts the drop mode."""
+        self._outcomes.append(missed)
+        if not missed or sum(self._outcomes) < _MISSES:
+            return False
+        starts = now >= self._drop_until
+        self._drop_until = now + _DROP_MODE_SECONDS
+        return starts
+
+    def drops_at_once(self, now: float) -> bool:
+        """Whether this stop drops the connection when its call goes out (every sixteenth
+        waits to confirm, so a front end that stopped missing is noticed)."""
+        if now >= self._drop_until:
+            return False
+        self._stops += 1
+        return self._stops % _SAMPLE_EVERY != 0
+
+
 @dataclass(frozen=True, slots=True)
 class StopRequest:
     """What the tracker needs to stop one request's work at the engine."""
@@ -130,6 +212,12 @@ class StopRequest:
     relay: ResponseRelay
     since: float  # loop time at which the client left (or tether decided to stop)
     span: RequestSpan | None = None  # ended here once the engine's work has stopped
+    # The stream's own engine step, measured when its client left (None: not a stream, or
+    # too few events).
+    step: float | None = None
+    # Loop time by which the engine certainly holds the request: now if its response body
+    # began, else a while after the whole request reached it.
+    registered_by: float = 0.0
 
 
 class AbortTracker:
@@ -153,6 +241,10 @@ class AbortTracker:
         self._missing_until: dict[str, float] = {}
         self._warned_missing = False
         self._calls = _CallQueue(self._send, merges=engine.merges_aborts)
+        # Repeats go out on fresh connections: a front end with several processes gets each
+        # on whichever process accepts it, not always the one that missed.
+        self._repeats = _CallQueue(self._send_fresh, merges=engine.merges_aborts)
+        self.front_end = FrontEnd(engine.confirm_rule, settings.abort_confirm_timeout)
 
     # --- entry points ----------------------------------------------------------------------
 
@@ -179,6 +271,8 @@ class AbortTracker:
             request.upstream.close()  # every abort route answered as missing, recently
             self._count(AbortResult.NOT_SUPPORTED, request.span)
             return False
+        if request.step is not None:
+            self.front_end.note_step(request.step)
         self._track(self._abort_and_confirm(request), request.internal_request_id)
         return True
 
@@ -194,9 +288,12 @@ class AbortTracker:
         return len(self._tasks)
 
     async def drain(self) -> None:
-        """Wait for every stop in progress (each is bounded by the abort deadline)."""
+        """Wait for every stop in progress and every call it made (each bounded by the abort
+        deadline)."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._calls.drain()
+        await self._repeats.drain()
 
     # --- the background work -------------------------------------------------------------------
 
@@ -217,6 +314,9 @@ class AbortTracker:
         upstream = request.upstream
         confirm_by = request.since + self._confirm_timeout
         sending = self._calls.call(request.engine_request_ids)
+        at_once = self.front_end.drops_at_once(loop.time())
+        if at_once:
+            upstream.close()  # as a plain close would: this front end misses aborts
         repeats = 0
         try:
             # The connection stays open only while the call can still confirm in time: past
@@ -226,16 +326,39 @@ class AbortTracker:
                 upstream.close()
             outcome, attempts, detail = await sending
             answered = loop.time()
+            window_end = answered
+            # The next repeat and its delay, where repeats go on blind after the drop.
+            blind: tuple[float, float] | None = None
             if outcome is _CallResult.ACCEPTED:
                 self._metrics.abort_latency.observe(answered - request.since)
-                repeats = await self._wait_for_end(
-                    upstream, request.engine_request_ids, answered, confirm_by
-                )
+                if at_once:
+                    blind = (answered + self._repeat_delay, self._repeat_delay)
+                else:
+                    # From when the engine has surely registered the request: an abort that
+                    # overtook its request is confirmed by a repeat, not taken for a miss.
+                    start = max(answered, request.registered_by)
+                    window_end = min(start + self.front_end.window(request.step), confirm_by)
+                    repeats, blind = await self._wait_for_end(
+                        request, answered, window_end, confirm_by
+                    )
             ended_at = upstream.ended_at  # when the engine ended it; never set by tether
+            ended_in_time = ended_at is not None and ended_at <= window_end
+            if (
+                outcome is _CallResult.ACCEPTED
+                and not at_once
+                and request.registered_by <= answered
+            ):
+                self._note_outcome(request, missed=repeats > 0 or not ended_in_time)
+            if blind is not None:
+                repeats += await self._repeat_blind(request, *blind, confirm_by)
         finally:
             sending.cancel()
             upstream.close()  # never reused after a disconnect
-        result = self._result(outcome, ended_at is not None and ended_at <= confirm_by)
+        result = (
+            AbortResult.DROPPED
+            if at_once and outcome is _CallResult.ACCEPTED
+            else self._result(outcome, ended_in_time)
+        )
         self._count(result, request.span)
         tokens_after = _tokens_after_disconnect(request.relay)
         if outcome is _CallResult.ACCEPTED:
@@ -277,6 +400,13 @@ class AbortTracker:
                 engine_stop_ms=round(stop_seconds * 1000, 2),
                 tokens_after_disconnect=tokens_after,
             )
+        elif result is AbortResult.DROPPED:
+            log.info(
+                "abort_sent",
+                **fields,
+                tokens_after_disconnect=tokens_after,
+                consequence="dropped at once: this engine's front end misses aborts",
+            )
         elif result is AbortResult.UNCONFIRMED:
             log.warning(
                 "abort_sent",
@@ -299,36 +429,72 @@ class AbortTracker:
             span.end()
 
     async def _wait_for_end(
-        self,
-        upstream: UpstreamExchange,
-        engine_request_ids: tuple[str, ...],
-        answered: float,
-        confirm_by: float,
-    ) -> int:
-        """Until the engine's response ends or the confirm timeout passes; returns how often
-        the call was repeated.
+        self, request: StopRequest, answered: float, window_end: float, confirm_by: float
+    ) -> tuple[int, tuple[float, float] | None]:
+        """Until the engine's response ends or the confirm window closes, then (if it goes
+        on) the connection is dropped. Returns how often the call was repeated, and where
+        the repeats go on after a drop (the next one's time and delay).
 
         An abort can overtake the request it names: vLLM registers a request a few
         milliseconds after its HTTP server got it, and an abort arriving first matches
-        nothing (observed on 0.32, while tether kept the connection open to confirm). So
-        while the response goes on, the call goes out again, after TETHER_ABORT_REPEAT_DELAY
-        and then at doubling intervals, until the confirm timeout.
+        nothing (observed on 0.32). And in a front end with several processes it can reach
+        one that does not hold the request. So while the response goes on, the call goes
+        out again on a fresh connection, after TETHER_ABORT_REPEAT_DELAY and then at
+        doubling intervals.
         """
+        upstream = request.upstream
+        window = asyncio.ensure_future(_ended_by(upstream, window_end))
         delay = self._repeat_delay
         repeat_at = answered + delay if delay > 0 else confirm_by
         repeats: list[asyncio.Future[CallOutcome]] = []
         try:
-            while repeat_at < confirm_by:
-                if await _ended_by(upstream, repeat_at):
-                    return len(repeats)
-                repeats.append(self._calls.call(engine_request_ids))
+            while repeat_at < window_end:
+                await asyncio.wait({window}, timeout=max(repeat_at - _now(), 0))
+                if window.done():
+                    break
+                repeats.append(self._repeats.call(request.engine_request_ids))
                 delay *= 2
                 repeat_at += delay
-            await _ended_by(upstream, confirm_by)
-            return len(repeats)
+            await window
+            if upstream.ended:
+                return len(repeats), None
+            upstream.close()  # the window closed on a response that goes on
+            return len(repeats), (repeat_at, delay)
         finally:
+            window.cancel()
             for repeat in repeats:
                 repeat.cancel()
+
+    def _note_outcome(self, request: StopRequest, *, missed: bool) -> None:
+        """An abort of a request the engine held was, or was not, ended by its first call in
+        the window; a pattern of misses is a front end with several processes (or one that
+        ignores aborts)."""
+        if self.front_end.confirm_outcome(missed, asyncio.get_running_loop().time()):
+            log.warning(
+                "aborts_missed",
+                internal_request_id=request.internal_request_id,
+                consequence="the engine answered aborts that did not stop their requests "
+                "(several API-server processes behind one port?): for the next minute tether "
+                "drops the connection as it sends the abort, as a plain close would",
+            )
+
+    async def _repeat_blind(
+        self, request: StopRequest, repeat_at: float, delay: float, confirm_by: float
+    ) -> int:
+        """Repeats after the connection was dropped, at `repeat_at` and then at doubling
+        intervals from `delay` until the confirm timeout, for an engine that notices a dropped
+        connection late: a repeat reaching the process that holds the request is what stops
+        it. Returns how many went out."""
+        if delay <= 0:
+            return 0
+        repeats = 0
+        while repeat_at < confirm_by:
+            await asyncio.sleep(max(repeat_at - _now(), 0))
+            self._repeats.call(request.engine_request_ids).cancel()  # nobody waits for it
+            repeats += 1
+            delay *= 2
+            repeat_at += delay
+        return repeats
 
     async def _finish_quietly(self, request: StopRequest) -> None:
         try:
@@ -349,13 +515,19 @@ class AbortTracker:
         now = asyncio.get_running_loop().time()
         return tuple(call for call in calls if self._missing_until.get(call.url, 0) <= now)
 
-    async def _send(self, engine_request_ids: tuple[str, ...]) -> CallOutcome:
+    async def _send_fresh(self, engine_request_ids: tuple[str, ...]) -> CallOutcome:
+        return await self._send(engine_request_ids, fresh=True)
+
+    async def _send(self, engine_request_ids: tuple[str, ...], fresh: bool = False) -> CallOutcome:
         """One abort naming these IDs, on the first route the engine supports; one per ID,
         made together, where the engine's abort names a single request (an SGLang batch)."""
         if len(engine_request_ids) == 1 or self._engine.merges_aborts:
-            return await self._send_naming(engine_request_ids)
+            return await self._send_naming(engine_request_ids, fresh)
         outcomes = await asyncio.gather(
-            *(self._send_naming((engine_request_id,)) for engine_request_id in engine_request_ids)
+            *(
+                self._send_naming((engine_request_id,), fresh)
+                for engine_request_id in engine_request_ids
+            )
         )
         attempts = sum(attempts for _, attempts, _ in outcomes)
         # Accepted only if every call was; else the first that was not says why.
@@ -365,13 +537,13 @@ class AbortTracker:
         )
         return result, attempts, detail
 
-    async def _send_naming(self, engine_request_ids: tuple[str, ...]) -> CallOutcome:
+    async def _send_naming(self, engine_request_ids: tuple[str, ...], fresh: bool) -> CallOutcome:
         calls = self._candidates(self._engine.abort_calls(engine_request_ids))
         if not calls:
             return _CallResult.NOT_SUPPORTED, 0, "every abort route answered as missing"
-        return await self._send_first_supported(calls)
+        return await self._send_first_supported(calls, fresh)
 
-    async def _send_first_supported(self, calls: tuple[AbortCall, ...]) -> CallOutcome:
+    async def _send_first_supported(self, calls: tuple[AbortCall, ...], fresh: bool) -> CallOutcome:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._deadline
         attempts = 0
@@ -386,7 +558,7 @@ class AbortTracker:
             attempts += 1
             try:
                 status = await self._upstream.send_abort(
-                    call, min(self._attempt_timeout, remaining)
+                    call, min(self._attempt_timeout, remaining), fresh=fresh
                 )
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 detail = f"{call.url}: {exc.__class__.__name__}"
@@ -423,6 +595,10 @@ class AbortTracker:
         self._metrics.count_abort(self._engine.engine.value, result.value)
         if span is not None:
             span.set(abort_result=result.value)
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
 
 
 async def _ended_by(upstream: UpstreamExchange, deadline: float) -> bool:

@@ -384,6 +384,26 @@ def public_routes(engine: Engine) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class ConfirmRule:
+    """How long an engine takes to end a response whose abort it accepted: the confirm
+    window is `steps` engine steps (the one in progress, and those its scheduler takes to act
+    on the abort), at least `floor` seconds (its HTTP side's own delays)."""
+
+    steps: float
+    floor: float
+
+
+# vLLM acts on an abort at its next step boundary. Observed on 0.32 (CPU, ~3 ms a step):
+# streams end 1-11 ms after the call, up to 36 ms on the Responses API and behind a
+# middleware, up to 38 ms at the p99 of 8 concurrent streams.
+_VLLM_CONFIRM = ConfirmRule(steps=2, floor=0.05)
+# SGLang's scheduler takes a few steps (observed 0.5.23: the stream ends 15-31 ms after the
+# call at 6-11 ms a step).
+_SGLANG_CONFIRM = ConfirmRule(steps=4, floor=0.05)
+_UNKNOWN_CONFIRM = ConfirmRule(steps=4, floor=0.1)
+
+
+@dataclass(frozen=True, slots=True)
 class AbortCall:
     """One HTTP call that asks the engine to stop a request."""
 
@@ -412,12 +432,15 @@ class EngineProfile:
         # (a vLLM `request_id`, an SGLang `rid`): a client's own must not reach the engine
         # there either, where it could collide with another request's.
         self._unknown_route_fields: tuple[BodyField, ...] = ()
+        self.confirm_rule = _UNKNOWN_CONFIRM
         if self.engine is Engine.VLLM:
             routes = _VLLM_ROUTES
             self._unknown_route_fields = (_VLLM_REQUEST_ID,)
+            self.confirm_rule = _VLLM_CONFIRM
         elif self.engine is Engine.SGLANG:
             routes = _SGLANG_ROUTES
             self.id_headers = ("X-Request-Id", _SGLANG_RID_HEADER)
+            self.confirm_rule = _SGLANG_CONFIRM
             self._unknown_route_fields = (_SGLANG_RID,)
             if settings.sglang_rid_header:
                 routes = tuple(

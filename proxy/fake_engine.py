@@ -8,7 +8,10 @@ ignores the header), the body's `rid` verbatim for SGLang; it answers in their w
 (compact JSON, the role event first, `finish_reason` on the last token, `"abort"` on an extra
 event after an abort, usage where asked for). Like the engines tether exists for, it **keeps
 generating after its client disconnects** unless an abort call names the request (or it is
-started with `--hears-disconnects`), and an aborted stream then ends as vLLM's does. It
+started with `--hears-disconnects`), and an aborted stream then ends as vLLM's does. With
+`front_end_processes` above 1 it behaves like vLLM with several API-server processes on one
+port: each connection belongs to one process (whichever accepted it: seeded random), and
+an abort call acts only on requests that arrived at the process its own connection did. It
 records every request, token, abort call and disconnect so tests can assert on what the
 engine saw and when.
 
@@ -22,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -78,9 +82,11 @@ class Generation:
     token_interval: float
     prefill: float
     stall_after: int | None
+    process: int = 0  # the front-end process it arrived at
     started_at: float = field(default_factory=time.monotonic)
     ended_at: float | None = None
     state: GenerationState = GenerationState.RUNNING
+    stopped_by: str | None = None  # "abort" or "disconnect", for an aborted one
     # Each token as it is generated, with whether it is the last one; None once it ended.
     tokens: asyncio.Queue[tuple[str, bool] | None] = field(default_factory=asyncio.Queue)
     produced: int = 0
@@ -120,6 +126,7 @@ class SeenAbort:
     ids: tuple[str, ...]
     status: int
     at: float
+    connection: int = 0  # which connection the call came on (numbered as accepted)
 
 
 def _compact(document: object) -> bytes:
@@ -134,8 +141,12 @@ class FakeEngine:
         token_interval: float = 0.01,
         max_tokens: int = 16,
         hears_disconnects: bool = False,
+        front_end_processes: int = 1,
     ) -> None:
         self.abort_route = abort_route
+        self.front_end_processes = front_end_processes
+        # Connection (its client address) → its number, in the order connections were seen.
+        self._connections: dict[object, int] = {}
         self.token_interval = token_interval
         self.max_tokens = max_tokens
         self.hears_disconnects = hears_disconnects
@@ -168,6 +179,19 @@ class FakeEngine:
         return {
             g.request_id for g in self.generations.values() if g.state is GenerationState.ABORTED
         }
+
+    def connection_number(self, request: web.Request) -> int:
+        """Which connection `request` came on, numbered as connections were first seen."""
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        return self._connections.setdefault(peer, len(self._connections))
+
+    def process_of(self, request: web.Request) -> int:
+        """The front-end process `request`'s connection belongs to: whichever accepted it,
+        which with several processes is as good as random (seeded by the connection's
+        number, so a test run is repeatable)."""
+        if self.front_end_processes == 1:
+            return 0
+        return random.Random(self.connection_number(request)).randrange(self.front_end_processes)
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -233,6 +257,7 @@ class FakeEngine:
         payload: dict[str, Any] = json.loads(body) if body else {}
         knobs = payload.get("fake", {})
         generation = self._new_generation(request, payload, knobs)
+        generation.process = self.process_of(request)
         running = self.generations.get(generation.request_id)
         if (
             self.abort_route is AbortRoute.SGLANG
@@ -253,7 +278,8 @@ class FakeEngine:
             return await self._whole(generation)
         except (asyncio.CancelledError, ConnectionError):
             self.disconnects.append((generation.request_id, time.monotonic()))
-            if self.hears_disconnects:
+            if self.hears_disconnects and generation.state is GenerationState.RUNNING:
+                generation.stopped_by = "disconnect"
                 generation.end(GenerationState.ABORTED)
             await self._notify()
             raise
@@ -501,36 +527,48 @@ class FakeEngine:
         }[request.path]
         if not route_on:
             status = 403 if request.path.startswith("/inference") else 404
-            self.aborts.append(SeenAbort(request.path, (), status, time.monotonic()))
+            self.aborts.append(
+                SeenAbort(
+                    request.path, (), status, time.monotonic(), self.connection_number(request)
+                )
+            )
             await self._notify()
             return web.json_response({"detail": "Not Found"}, status=status)
         payload = await request.json()
         ids = tuple(payload.get("request_ids") or ())
-        failure = await self._injected_failure(request.path, ids)
+        failure = await self._injected_failure(request, ids)
         if failure is not None:
             return failure
-        # Like vLLM's dev route: exact matches of external IDs; an empty list aborts every
-        # running request.
-        targets = [g for g in self.generations.values() if not ids or set(g.engine_ids) & set(ids)]
+        # Like vLLM's dev route: exact matches of external IDs held by this process; an empty
+        # list aborts every running request.
+        process = self.process_of(request)
+        targets = [
+            g
+            for g in self.generations.values()
+            if g.process == process and (not ids or set(g.engine_ids) & set(ids))
+        ]
         for generation in targets:
             generation.aborted_ids.update(ids if ids else generation.engine_ids)
         targets = [g for g in targets if generation_fully_aborted(g)]
-        return await self._abort(
-            request.path, ids, targets, {"status": "aborted", "aborted": len(ids)}
-        )
+        return await self._abort(request, ids, targets, {"status": "aborted", "aborted": len(ids)})
 
     async def _abort_sglang(self, request: web.Request) -> web.Response:
         if self.abort_route is not AbortRoute.SGLANG:
             return web.json_response({"detail": "Not Found"}, status=404)
         payload = await request.json()
         rid = str(payload.get("rid") or "")
-        failure = await self._injected_failure(request.path, (rid,))
+        failure = await self._injected_failure(request, (rid,))
         if failure is not None:
             return failure
         # Like SGLang: a rid its tokenizer manager does not hold exactly (an empty one, a
         # batch's `<rid>` for its `<rid>_<index>` items) is ignored; else its scheduler aborts
         # every request starting with it, so unique fixed-length rids matter.
-        running = [g for g in self.generations.values() if g.state is GenerationState.RUNNING]
+        process = self.process_of(request)
+        running = [
+            g
+            for g in self.generations.values()
+            if g.state is GenerationState.RUNNING and g.process == process
+        ]
         held = any(rid in generation.engine_ids for generation in running)
         targets = []
         for generation in running if held else ():
@@ -541,24 +579,30 @@ class FakeEngine:
             if matched:
                 targets.append(generation)
         targets = [g for g in targets if generation_fully_aborted(g)]
-        return await self._abort(request.path, (rid,), targets, None)
+        return await self._abort(request, (rid,), targets, None)
 
-    async def _injected_failure(self, path: str, ids: tuple[str, ...]) -> web.Response | None:
+    async def _injected_failure(
+        self, request: web.Request, ids: tuple[str, ...]
+    ) -> web.Response | None:
+        connection = self.connection_number(request)
         if self.abort_hangs:
-            self.aborts.append(SeenAbort(path, ids, 0, time.monotonic()))
+            self.aborts.append(SeenAbort(request.path, ids, 0, time.monotonic(), connection))
             await self._notify()
             await asyncio.Event().wait()
         if self.abort_failures > 0:
             self.abort_failures -= 1
-            self.aborts.append(SeenAbort(path, ids, 503, time.monotonic()))
+            self.aborts.append(SeenAbort(request.path, ids, 503, time.monotonic(), connection))
             await self._notify()
             return web.json_response({"error": "busy"}, status=503)
         return None
 
     async def _abort(
-        self, path: str, ids: tuple[str, ...], targets: list[Generation], reply: object
+        self, request: web.Request, ids: tuple[str, ...], targets: list[Generation], reply: object
     ) -> web.Response:
-        self.aborts.append(SeenAbort(path, ids, 200, time.monotonic()))
+        path = request.path
+        self.aborts.append(
+            SeenAbort(path, ids, 200, time.monotonic(), self.connection_number(request))
+        )
         if self.print_aborts:
             print(
                 json.dumps(
@@ -575,6 +619,8 @@ class FakeEngine:
             self.ignore_aborts -= 1
         else:
             for generation in targets:
+                if generation.state is GenerationState.RUNNING:
+                    generation.stopped_by = "abort"
                 generation.end(GenerationState.ABORTED)
         await self._notify()
         return web.json_response(reply) if reply is not None else web.Response(status=200)

@@ -74,6 +74,10 @@ _CONTENT_LENGTH = istr("Content-Length")
 _CONTENT_TYPE = istr("Content-Type")
 # Response bodies in which the internal ID is replaced by the client's.
 _MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
+# An engine has registered a request once it sent a byte of its body (a streaming head can
+# come first), or this long (seconds) after it got all of it (vLLM: a few milliseconds): an
+# abort missing it later is the engine's front end missing, not one that overtook it.
+_REGISTERED_AFTER = 0.05
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
@@ -465,6 +469,9 @@ def _stop_upstream(
         upstream.close()
         return
     route = cycle.route
+    now = asyncio.get_running_loop().time()
+    events = relay.tokens.events
+    first_body_at = upstream.first_body_at
     stop = StopRequest(
         internal_request_id=state.internal_request_id,
         client_request_id=state.client_request_id,
@@ -476,8 +483,13 @@ def _stop_upstream(
         ),
         upstream=upstream,
         relay=relay,
-        since=asyncio.get_running_loop().time(),
+        since=now,
         span=cycle.span,
+        # The mean time between the stream's token events so far: one engine step.
+        step=(time.monotonic() - first_body_at) / events
+        if first_body_at is not None and events >= 2
+        else None,
+        registered_by=now if first_body_at is not None else upstream.sent_at + _REGISTERED_AFTER,
     )
     if cycle.background:
         cycle.span_handed_over = ctx.aborts.let_finish(stop)

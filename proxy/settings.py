@@ -148,16 +148,18 @@ class Settings(BaseSettings):
     )
     abort_confirm_timeout: Seconds = Field(
         2.0,
-        description="Seconds after a disconnect tether keeps reading the engine's response, "
-        "once the abort call was accepted, to confirm that it ended; then the connection is "
-        "dropped.",
+        description="Seconds after a disconnect within which an abort may still be confirmed "
+        "and its call repeated. tether keeps reading the engine's response only for the "
+        "confirm window, learned from the engine's own confirmed aborts (200 ms until eight "
+        "were seen), never longer than this; then the connection is dropped.",
     )
     abort_repeat_delay: float = Field(
         0.02,
         ge=0,
         description="While the engine's response goes on after an accepted abort (it may have "
-        "overtaken its request), the call is repeated after this many seconds, then at "
-        "doubling intervals until the confirm timeout; 0 disables the repeats.",
+        "overtaken its request, or reached a front-end process that does not hold it), the "
+        "call is repeated on a fresh connection after this many seconds, then at doubling "
+        "intervals until the confirm timeout; 0 disables the repeats.",
     )
     shutdown_grace: float = Field(
         30.0,

@@ -31,10 +31,12 @@ class UpstreamClient:
         settings: Settings,
         pool: UpstreamPool,
         control_session: aiohttp.ClientSession,
+        fresh_session: aiohttp.ClientSession,
         health_session: aiohttp.ClientSession,
     ) -> None:
         self._pool = pool
         self._control_session = control_session
+        self._fresh_session = fresh_session
         self._health_session = health_session
         parts = urlsplit(settings.upstream_url)
         default_port = 443 if parts.scheme == "https" else 80
@@ -69,6 +71,12 @@ class UpstreamClient:
             ),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
+        # Repeated abort calls open a connection each: an engine front end with several
+        # processes gets each on whichever process accepts it.
+        fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True, limit=0),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
         # Health checks open a fresh connection each time: they prove the engine still
         # accepts connections, and keep no pooled connection warm.
         health_session = aiohttp.ClientSession(
@@ -76,10 +84,11 @@ class UpstreamClient:
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         try:
-            yield cls(settings, pool, control_session, health_session)
+            yield cls(settings, pool, control_session, fresh_session, health_session)
         finally:
             pool.close()
             await control_session.close()
+            await fresh_session.close()
             await health_session.close()
 
     @property
@@ -113,9 +122,11 @@ class UpstreamClient:
         # the bytes the client sent.
         return "\r\n".join(lines).encode("utf-8", "surrogateescape")
 
-    async def send_abort(self, call: AbortCall, timeout: float) -> int:
-        """Send one abort call; return the engine's status. Raises on transport errors."""
-        async with self._control_session.request(
+    async def send_abort(self, call: AbortCall, timeout: float, *, fresh: bool = False) -> int:
+        """Send one abort call (on a new connection when `fresh`); return the engine's status.
+        Raises on transport errors."""
+        session = self._fresh_session if fresh else self._control_session
+        async with session.request(
             call.method,
             call.url,
             data=call.body,

@@ -68,6 +68,7 @@ class UpstreamExchange:
         "head",
         "last_data_at",
         "sent",
+        "sent_at",
     )
 
     def __init__(self, pool: UpstreamPool, method: str) -> None:
@@ -88,6 +89,7 @@ class UpstreamExchange:
         self.complete = False
         self.client_gone = False
         self.sent = False  # the whole request reached the engine's socket
+        self.sent_at = 0.0  # loop time it did
         self._watch_silence = False  # set by a wait with an idle timeout
         self.first_body_at: float | None = None
         self.last_data_at = 0.0
@@ -108,7 +110,7 @@ class UpstreamExchange:
                 self._replay = (head, body)
             connection.write(head + body if body else head)
             connection.request_written()
-            self.sent = True
+            self._mark_sent()
             return
         connection.write(head)
         writer = self._loop.create_task(self._write_body(connection, body, chunked))
@@ -136,7 +138,11 @@ class UpstreamExchange:
         if chunked:
             connection.write(b"0\r\n\r\n")
         connection.request_written()
+        self._mark_sent()
+
+    def _mark_sent(self) -> None:
         self.sent = True
+        self.sent_at = self._loop.time()
 
     def _attach_connection(self, connection: UpstreamConnection) -> None:
         self._connection = connection

@@ -16,11 +16,14 @@ from .conftest import (
     FakeEngineFactory,
     TetherFactory,
     UpstreamAppFactory,
+    chat_body,
     drained,
     leave_mid_stream,
+    settled,
 )
 from .support.canaries import CANARY_PROMPT, CANARY_SECRET
 from .support.metrics import metric
+from .support.raw_http import RawClient
 
 
 async def _leave_mid_stream(server: TetherServer, engine: FakeEngine) -> str:
@@ -114,17 +117,24 @@ async def test_abort_attempts_stop_at_the_deadline(
     assert 1 <= len(engine.aborts) <= 3
 
 
-async def test_abort_is_repeated_once_when_the_response_goes_on(
+async def test_an_abort_that_overtook_its_request_is_repeated_and_confirmed(
     fake_engine: FakeEngineFactory, tether: TetherFactory
 ) -> None:
-    """An abort can overtake its request at the engine (still being registered there): when
-    the response goes on past the repeat delay, the abort goes out once more, and the second
-    one's effect confirms it; an abort that worked at once is not repeated."""
+    """A client that leaves the moment its request went out: the abort can overtake the
+    request at the engine (still being registered there, it matches nothing). The response
+    goes on past the repeat delay, so the abort goes out once more, and its effect confirms
+    it; an abort that worked at once is not repeated."""
     engine, engine_url = await fake_engine(token_interval=0.01)
-    server = await tether(engine_url, abort_repeat_delay=0.05)
+    server = await tether(engine_url, abort_repeat_delay=0.03)
     engine.ignore_aborts = 1
-    overtaken = await _leave_mid_stream(server, engine)
+    client = await RawClient.connect(server.port)
+    # A long prefill: no response has begun when the client leaves.
+    await client.send_request(chat_body(max_tokens=100_000, prefill=0.5))
+    await engine.wait_for(lambda: len(engine.generations) == 1)
+    client.close_fin()
+    await settled(server)
     await drained(server)
+    [overtaken] = engine.generations
     assert [a.ids for a in engine.aborts] == [(f"chatcmpl-{overtaken}",)] * 2
     assert engine.generation(overtaken).state is GenerationState.ABORTED
     assert _count(server, "confirmed") == 1

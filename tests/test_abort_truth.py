@@ -257,8 +257,9 @@ async def test_engine_that_ignores_the_abort_is_unconfirmed_then_dropped(
     fake_engine: FakeEngineFactory, tether: TetherFactory
 ) -> None:
     """An abort call the engine accepts but acts on nothing (a wrong ID would do that): the
-    response goes on, so after the confirm timeout it is counted `unconfirmed` and the
-    connection is dropped; the call was repeated once in between."""
+    response goes on, so when the confirm window closes (200 ms before any abort was
+    confirmed) it is counted `unconfirmed` and the connection is dropped; the call is
+    repeated once more before the confirm timeout."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     engine.ignore_aborts = 10_000
     server = await tether(engine_url, abort_confirm_timeout=0.6, abort_repeat_delay=0.2)
@@ -270,7 +271,7 @@ async def test_engine_that_ignores_the_abort_is_unconfirmed_then_dropped(
 
     assert len(engine.aborts) == 2  # the call and its repeat
     await engine.wait_for(lambda: len(engine.disconnects) == 1)
-    # Dropped at the confirm timeout (0.6 s), not at the end of a 1,000 s stream.
+    # Dropped at the confirm window, not at the end of a 1,000 s stream.
     assert asyncio.get_running_loop().time() - started < 5
     assert aborts(server, "unconfirmed") == 1 and aborts(server, "confirmed") == 0
     registry = server.context.metrics.registry

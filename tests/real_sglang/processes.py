@@ -51,6 +51,9 @@ class SglangConfig:
     chunked_prefill_size: int | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
+    # `--tokenizer-worker-num`: HTTP front-end processes (uvicorn workers on one port), each
+    # with a tokenizer manager of its own.
+    tokenizer_workers: int = 1
 
     @property
     def abort_key(self) -> str | None:
@@ -66,6 +69,8 @@ class SglangConfig:
             flags += ["--api-key", self.api_key]
         if self.admin_api_key is not None:
             flags += ["--admin-api-key", self.admin_api_key]
+        if self.tokenizer_workers > 1:
+            flags += ["--tokenizer-worker-num", str(self.tokenizer_workers)]
         return flags
 
 
@@ -74,7 +79,11 @@ DEFAULT = SglangConfig("default")
 ONE_SLOT = SglangConfig("one-slot", max_running_requests=1, chunked_prefill_size=16)
 ADMIN_KEY = SglangConfig("admin-key", admin_api_key=ADMIN_API_KEY)
 WITH_API_KEY = SglangConfig("api-key", api_key=API_KEY)
-CONFIGS = {config.name: config for config in (DEFAULT, ONE_SLOT, ADMIN_KEY, WITH_API_KEY)}
+TWO_TOKENIZER_WORKERS = SglangConfig("two-tokenizer-workers", tokenizer_workers=2)
+CONFIGS = {
+    config.name: config
+    for config in (DEFAULT, ONE_SLOT, ADMIN_KEY, WITH_API_KEY, TWO_TOKENIZER_WORKERS)
+}
 
 
 @dataclass

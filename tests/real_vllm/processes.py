@@ -60,6 +60,9 @@ class VllmConfig:
     # VLLM_ENABLE_RESPONSES_API_STORE=1: the Responses API keeps responses in memory, for
     # `GET /v1/responses/{id}`, `previous_response_id`, `background: true` and `/cancel`.
     responses_store: bool = False
+    # `--api-server-count`: API-server processes on the one port (vLLM's default for a
+    # data-parallel pod is one per rank); each holds only the requests it received.
+    api_servers: int = 1
 
 
 DEFAULT = VllmConfig("default")
@@ -69,8 +72,16 @@ DEV_MODE = VllmConfig("dev-mode", dev_mode=True, responses_store=True)
 DEV_MODE_WITH_MIDDLEWARE = VllmConfig(
     "dev-mode+middleware", dev_mode=True, middleware="user_middleware.tag_responses"
 )
+DEV_MODE_TWO_API_SERVERS = VllmConfig("dev-mode+2-api-servers", dev_mode=True, api_servers=2)
 CONFIGS = {
-    config.name: config for config in (DEFAULT, WITH_MIDDLEWARE, DEV_MODE, DEV_MODE_WITH_MIDDLEWARE)
+    config.name: config
+    for config in (
+        DEFAULT,
+        WITH_MIDDLEWARE,
+        DEV_MODE,
+        DEV_MODE_WITH_MIDDLEWARE,
+        DEV_MODE_TWO_API_SERVERS,
+    )
 }
 
 
@@ -198,6 +209,8 @@ def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path
     ]
     if config.middleware:
         argv += ["--middleware", config.middleware]
+    if config.api_servers > 1:
+        argv += ["--api-server-count", str(config.api_servers)]
     process = spawn(argv, env, log_dir / f"vllm-{config.name}.log")
     ready = wait_ready(process, f"http://127.0.0.1:{port}/health", VLLM_READY_TIMEOUT, "vLLM")
     return VllmServer(config, port, process, ready)
