@@ -309,6 +309,7 @@ CONTRACT = {
     "tether_engine_stop_seconds": set(),
     "tether_tokens_relayed_total": {"route"},
     "tether_tokens_after_disconnect_total": {"route"},
+    "tether_prompt_tokens_total": {"route"},
     "tether_upstream_errors_total": {"kind"},
     "tether_request_duration_seconds": {"route"},
     "tether_time_to_first_byte_seconds": {"route"},
@@ -323,7 +324,7 @@ VALUES = {
     "phase": {"body", "waiting", "streaming"},
     "reason": {"client_disconnected", "admin_aborted", "shutdown_aborted", "timed_out"},
     "engine": {"vllm", "sglang", "generic", "none"},
-    "result": {"confirmed", "unconfirmed", "not_supported", "unknown_route", "failed"},
+    "result": {"confirmed", "unconfirmed", "dropped", "not_supported", "unknown_route", "failed"},
     "kind": {"upstream_unavailable", "upstream_connect_timeout", "upstream_timeout",
              "upstream_broken", "upstream_protocol_error"},
 }

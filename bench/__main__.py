@@ -9,8 +9,8 @@ from pathlib import Path
 from bench.runner import run
 from bench.workloads import FULL, QUICK
 
-SYSTEMS = ("direct", "nginx", "tether", "tether_info", "tether_otel")
-WORKLOADS = ("relay", "paced", "requests", "aborts", "memory")
+SYSTEMS = ("direct", "nginx", "tether", "tether_info", "tether_otel", "tether_nousage")
+WORKLOADS = ("relay", "paced", "requests", "streams", "aborts", "memory")
 
 
 def choice_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:

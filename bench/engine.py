@@ -5,9 +5,11 @@ a core with the load generator and must never be what limits a proxy's figures.
 
 Routes:
 - `POST /v1/chat/completions`, `POST /v1/completions`: the JSON body's `stream` picks SSE
-  or one JSON object; the query sets `events` (count), `rate` (events/s per stream, 0 means
-  as fast as the socket takes them), `hold=1` (send one event, then stay open and silent)
-  and `tag` (a client-chosen key under which disconnects and aborts are recorded).
+  or one JSON object (a stream's last event has `finish_reason: "length"`, then, if the
+  body asks for it with `stream_options.include_usage`, a usage event); the query sets
+  `events` (count), `rate` (events/s per stream, 0 means as fast as the socket takes them),
+  `hold=1` (send one event, then stay open and silent) and `tag` (a client-chosen key under
+  which disconnects and aborts are recorded).
   Every object carries `"id":"<prefix><X-Request-Id>"` as vLLM does, and every event a
   `bench_ts` send stamp (CLOCK_MONOTONIC ns, which is system-wide on Linux).
 - `GET /health`; `POST /abort_requests` (`{"request_ids": [...]}`, vLLM's abort API): a
@@ -47,6 +49,13 @@ CHUNK_BODY = (
     '","object":"chat.completion.chunk","created":1764460800,"model":"bench-model",'
     '"choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}],'
     '"bench_ts":'
+)
+# The last event names its finish reason, as vLLM's does; the usage event (when the body asks
+# for it, `stream_options.include_usage`) follows it, before `[DONE]`.
+LAST_BODY = CHUNK_BODY.replace('"finish_reason":null', '"finish_reason":"length"').encode()
+USAGE_BODY = (
+    b'","object":"chat.completion.chunk","created":1764460800,"model":"bench-model",'
+    b'"choices":[],"usage":{"prompt_tokens":5,"total_tokens":%d,"completion_tokens":%d}}\n\n'
 )
 
 
@@ -155,11 +164,13 @@ class Stream:
         hold: bool,
         tag: str | None,
         engine_request_id: str,
+        usage: bool,
     ) -> None:
         self._conn = conn
         self._prefix = event_prefix
         self.engine_request_id = engine_request_id
-        self._left = events
+        self._events = self._left = events
+        self._usage = usage
         self._interval = 1.0 / rate if rate > 0 else 0.0
         self._hold = hold
         self.tag = tag
@@ -176,13 +187,18 @@ class Stream:
         self._timer = None
         if self._conn.paused:
             return  # resume() is called from resume_writing
-        event = b"%b%d}\n\n" % (self._prefix, time.monotonic_ns())
         self._left -= 1
         if self._left <= 0:
             self.finished = True
-            self._conn.transport.write(chunk(event) + DONE_EVENT)
+            engine_id = self.engine_request_id.encode()
+            last = b'data: {"id":"%b%b%d}\n\n' % (engine_id, LAST_BODY, time.monotonic_ns())
+            if self._usage:
+                usage = USAGE_BODY % (5 + self._events, self._events)
+                last += b'data: {"id":"' + engine_id + usage
+            self._conn.transport.write(chunk(last) + DONE_EVENT)
             self._conn.stream_finished()
             return
+        event = b"%b%d}\n\n" % (self._prefix, time.monotonic_ns())
         self._conn.transport.write(chunk(event))
         if self._hold:
             return
@@ -313,7 +329,8 @@ class EngineConnection(asyncio.Protocol):
 
     def _complete(self, head: Head, body: bytes, prefix: str, query: dict[str, list[str]]) -> None:
         request_id = head.headers.get(b"x-request-id", b"none").decode()
-        if not json.loads(body or b"{}").get("stream", False):
+        payload = json.loads(body or b"{}")
+        if not payload.get("stream", False):
             self.transport.write(completion_response(prefix, request_id))
             return
         tag = query["tag"][0] if "tag" in query else None
@@ -329,6 +346,7 @@ class EngineConnection(asyncio.Protocol):
             hold=query.get("hold", ["0"])[0] == "1",
             tag=tag,
             engine_request_id=prefix + request_id,
+            usage=bool((payload.get("stream_options") or {}).get("include_usage")),
         )
         self._recorder.streams[prefix + request_id] = self._stream
         self._stream.start()

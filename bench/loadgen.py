@@ -40,6 +40,9 @@ class Meter:
     requests: int = 0
     errors: int = 0
     id_mismatches: int = 0
+    # Usage events a client that never asked for usage received: tether asks the engine for
+    # them and must take them out.
+    usage_leaked: int = 0
     latencies_ns: list[int] = field(default_factory=list)
     record_latency: bool = False
 
@@ -65,6 +68,8 @@ class EventSink:
             if self._expected_id not in complete:
                 self._meter.id_mismatches += 1
         meter = self._meter
+        if b'"usage":' in complete:
+            meter.usage_leaked += 1
         if not meter.measuring:
             return
         count = complete.count(b"\n\n")
@@ -231,6 +236,7 @@ def counters(meter: Meter) -> dict[str, Any]:
         "requests": meter.requests,
         "errors": meter.errors,
         "id_mismatches": meter.id_mismatches,
+        "usage_leaked": meter.usage_leaked,
     }
 
 
@@ -265,6 +271,7 @@ async def run_streams(spec: dict[str, Any]) -> dict[str, Any]:
                 meter.errors += 1
                 return
             meter.errors += status != 200
+            meter.requests += meter.measuring  # streams that ended inside the window
         conn.transport.close()
 
     tasks = [asyncio.create_task(worker(i)) for i in range(spec["streams"])]

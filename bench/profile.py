@@ -1,6 +1,7 @@
 """Profile tether with py-spy under one workload and print where its CPU goes.
 
-`python -m bench.profile [--workload relay|paced|requests] [--log-level warning|info]` starts the
+`python -m bench.profile [--workload relay|paced|requests|streams] [--log-level warning|info]
+[--no-usage]` starts the
 fake engine and tether as the benchmark does, samples tether with `py-spy record` while the
 load generator runs, and prints the functions with the most samples: by self time (where
 the CPU is spent) and inclusive (which call paths it is spent under). The raw collapsed
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from bench.runner import raise_nofile
 from bench.systems import CLIENT_CORE, engine, pinned, tether
-from bench.workloads import FULL, paced_latency, relay, request_overhead
+from bench.workloads import FULL, paced_latency, relay, request_overhead, stream_overhead
 
 SAMPLE_RATE_HZ = 250
 LINE_NUMBER = re.compile(r":\d+\)$")
@@ -66,8 +67,13 @@ def top_functions(collapsed: Path, count: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__)
-    parser.add_argument("--workload", choices=("relay", "paced", "requests"), default="relay")
+    parser.add_argument(
+        "--workload", choices=("relay", "paced", "requests", "streams"), default="relay"
+    )
     parser.add_argument("--log-level", choices=("warning", "info"), default="warning")
+    parser.add_argument(
+        "--no-usage", action="store_true", help="TETHER_ASK_FOR_USAGE=false (tether_nousage)"
+    )
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument(
         "--native", action="store_true", help="sample C frames too (uvloop, libuv, the kernel)"
@@ -85,7 +91,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tether-profile-") as tmp:
         with (
             engine(Path(tmp)) as fake_engine,
-            tether(Path(tmp), fake_engine.port, name="tether", log_level=args.log_level) as system,
+            tether(
+                Path(tmp),
+                fake_engine.port,
+                name="tether",
+                log_level=args.log_level,
+                ask_for_usage=not args.no_usage,
+            ) as system,
         ):
             assert system.proxy_pid is not None
             pid, rate = str(system.proxy_pid), str(SAMPLE_RATE_HZ)
@@ -100,6 +112,8 @@ def main() -> None:
                 figures = relay(FULL, fake_engine, system, streams=64)
             elif args.workload == "paced":
                 figures = paced_latency(FULL, fake_engine, system, FULL.paced)
+            elif args.workload == "streams":
+                figures = stream_overhead(FULL, fake_engine, system, clients=32)
             else:
                 figures = request_overhead(FULL, fake_engine, system, clients=32)
             sampler.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT

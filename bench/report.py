@@ -15,13 +15,14 @@ from typing import Any
 from bench.workloads import Figures
 
 Results = dict[str, dict[str, Figures]]
-COLUMNS = ("direct", "nginx", "tether", "tether_info", "tether_otel")
-# (header, numerator, denominator): tether against nginx and a direct connection, and what
-# turning tracing on costs tether.
+COLUMNS = ("direct", "nginx", "tether", "tether_info", "tether_otel", "tether_nousage")
+# (header, numerator, denominator): tether against nginx and a direct connection, what
+# turning tracing on costs tether, and what asking the engine for usage costs it.
 RATIOS = (
     ("tether/nginx", "tether", "nginx"),
     ("tether/direct", "tether", "direct"),
     ("otel/tether", "tether_otel", "tether"),
+    ("tether/nousage", "tether", "tether_nousage"),
 )
 SPANS = "spans"  # not a workload: the spans tether_otel exported over the round
 # The relay "runs at" the offered rate when it carries at least this share of it; below,
@@ -96,6 +97,23 @@ def rows_for(results: Results) -> list[Row]:
                 0,
             ),
         ]
+    for workload in (w for w in results if w.startswith("streams_")):
+        clients = workload.removeprefix("streams_")
+        rows += [
+            Row(f"3 short streams/s, {clients} clients", workload, "requests_per_s", 0),
+            Row(
+                f"3 short streams/s per proxy core, {clients} clients",
+                workload,
+                "requests_per_proxy_cpu_s",
+                0,
+            ),
+            Row(
+                f"3 proxy CPU us per short stream, {clients} clients",
+                workload,
+                "proxy_cpu_us_per_request",
+                1,
+            ),
+        ]
     rows += [
         Row("4 relay events/s, all streams open", "aborts", "events_per_s", 0),
         Row("4 proxy core busy, all streams open", "aborts", "proxy_core_busy", 2),
@@ -126,6 +144,7 @@ SUMMED = frozenset(
         "missed",
         "errors",
         "id_mismatches",
+        "usage_leaked",
         "failed_to_open",
         "requests_sent",
         "requests_traced",
@@ -325,7 +344,7 @@ def render_checks(results: Results) -> str:
         f"{workload}/{system}: {key}={figures[key]}"
         for workload, by_system in results.items()
         for system, figures in by_system.items()
-        for key in ("errors", "id_mismatches", "failed_to_open", "unknown_aborts")
+        for key in ("errors", "id_mismatches", "usage_leaked", "failed_to_open", "unknown_aborts")
         if figures.get(key)
     ]
     spans = results.get(SPANS, {}).get("tether_otel")

@@ -28,6 +28,7 @@ from bench.workloads import (
     relay,
     request_overhead,
     spans_exported,
+    stream_overhead,
 )
 
 NOFILE = 65536  # 10,000 idle streams take 20,000 descriptors in a proxy
@@ -65,6 +66,7 @@ def plan(profile: Profile, max_streams: int) -> dict[str, Workload]:
     workloads["requests_1"] = functools.partial(request_overhead, profile, clients=1)
     clients = profile.requests_concurrency
     workloads[f"requests_{clients}"] = functools.partial(request_overhead, profile, clients=clients)
+    workloads[f"streams_{clients}"] = functools.partial(stream_overhead, profile, clients=clients)
     workloads["aborts"] = functools.partial(abort_latency, profile)
     return workloads
 
@@ -81,9 +83,13 @@ def variant_workloads(profile: Profile) -> dict[str, frozenset[str]]:
         "requests_1",
         f"requests_{profile.requests_concurrency}",
     }
+    streams = f"streams_{profile.requests_concurrency}"
     return {
-        "tether_info": frozenset(many_requests),
+        "tether_info": frozenset(many_requests | {streams}),
         "tether_otel": frozenset(many_requests | {"paced"}),
+        # Asking for usage costs per streaming request (the body's rewrite, the usage event
+        # taken out) and, if at all, per event (the filter's look at each chunk).
+        "tether_nousage": frozenset({streams, f"relay_{profile.relay_streams_variants}", "paced"}),
     }
 
 

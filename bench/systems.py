@@ -170,9 +170,16 @@ def tether_binary() -> str:
 
 @contextmanager
 def tether(
-    tmp: Path, engine_port: int, *, name: str, log_level: str, traced: bool = False
+    tmp: Path,
+    engine_port: int,
+    *,
+    name: str,
+    log_level: str,
+    traced: bool = False,
+    ask_for_usage: bool = True,
 ) -> Iterator[System]:
-    """tether in front of the engine; `traced` exports its spans to the engine's OTLP sink."""
+    """tether in front of the engine; `traced` exports its spans to the engine's OTLP sink;
+    without `ask_for_usage` it leaves request bodies and streams as they are."""
     port, admin_port = free_port(), free_port()
     # No OTEL_* from the caller's environment: under the default TETHER_TRACING=auto an
     # exporter endpoint would turn tracing on, and a sampler would change what it costs.
@@ -186,6 +193,7 @@ def tether(
         "TETHER_LOG_LEVEL": log_level,
         "TETHER_LOG_FORMAT": "json",
         "TETHER_TRACING": "off",
+        "TETHER_ASK_FOR_USAGE": "true" if ask_for_usage else "false",
     }
     if traced:
         # OTLP/HTTP to the fake engine's /v1/traces; the batch processor's settings are the
@@ -227,6 +235,10 @@ def all_systems(
             elif name == "tether_otel":
                 systems[name] = stack.enter_context(
                     tether(tmp, engine_port, name=name, log_level="warning", traced=True)
+                )
+            elif name == "tether_nousage":
+                systems[name] = stack.enter_context(
+                    tether(tmp, engine_port, name=name, log_level="warning", ask_for_usage=False)
                 )
             else:
                 raise ValueError(f"unknown system {name!r}")

@@ -47,6 +47,7 @@ class Profile:
     requests_concurrency: int
     requests_warmup_s: float
     requests_window_s: float
+    short_stream_events: int  # events per stream of `streams_C` (C: requests_concurrency)
     abort_streams: int
     abort_rate: float
     abort_warmup_s: float
@@ -69,6 +70,8 @@ FULL = Profile(
     requests_concurrency=32,
     requests_warmup_s=1.0,
     requests_window_s=5.0,
+    # A short answer's stream: what a streaming request costs beyond its events shows.
+    short_stream_events=16,
     abort_streams=1000,
     # 20,000 events/s in all, issue 15's figure: an abort must get through while the relay
     # is busy. Before issue 15 this saturated tether's core (aborts queued behind chunks for
@@ -92,6 +95,7 @@ QUICK = Profile(
     requests_concurrency=4,
     requests_warmup_s=0.2,
     requests_window_s=0.5,
+    short_stream_events=16,
     abort_streams=50,
     abort_rate=20.0,
     abort_warmup_s=0.1,
@@ -176,6 +180,7 @@ def relay(profile: Profile, engine: Engine, system: System, streams: int) -> Fig
         "requests_sent": result["sent"],
         "errors": result["errors"],
         "id_mismatches": result["id_mismatches"],
+        "usage_leaked": result.get("usage_leaked", 0),
     }
 
 
@@ -212,6 +217,7 @@ def paced_latency(profile: Profile, engine: Engine, system: System, pace: Pace) 
         "requests_sent": result["sent"],
         "errors": result["errors"],
         "id_mismatches": result["id_mismatches"],
+        "usage_leaked": result.get("usage_leaked", 0),
     }
 
 
@@ -239,6 +245,40 @@ def request_overhead(profile: Profile, engine: Engine, system: System, clients: 
         "requests_sent": result["sent"],
         "errors": result["errors"],
         "id_mismatches": result["id_mismatches"],
+        "usage_leaked": result.get("usage_leaked", 0),
+    }
+
+
+def stream_overhead(profile: Profile, engine: Engine, system: System, clients: int) -> Figures:
+    """Workload 3b: closed-loop clients on keep-alive connections, each requesting short
+    streams as fast as they end; what one streaming request costs the proxy."""
+    result = run_loadgen(
+        profile,
+        {
+            "mode": "streams",
+            "streams": clients,
+            "events": profile.short_stream_events,
+            "rate": 0,
+            "warmup_s": profile.requests_warmup_s,
+            "window_s": profile.requests_window_s,
+        },
+        engine,
+        system,
+    )
+    measured = system.proxy_pid and result["proxy_cpu_s"] and result["requests"]
+    return noise(result) | {
+        "requests_per_s": result["requests"] / result["wall_s"],
+        "requests_per_proxy_cpu_s": result["requests"] / result["proxy_cpu_s"]
+        if measured
+        else None,
+        "proxy_cpu_us_per_request": result["proxy_cpu_s"] / result["requests"] * 1e6
+        if measured
+        else None,
+        "events": result["events"],
+        "requests_sent": result["sent"],
+        "errors": result["errors"],
+        "id_mismatches": result["id_mismatches"],
+        "usage_leaked": result["usage_leaked"],
     }
 
 
@@ -298,6 +338,7 @@ def abort_latency(profile: Profile, engine: Engine, system: System) -> Figures:
         "unknown_aborts": stats["unknown_aborts"],
         "duplicate_aborts": stats["duplicate_aborts"],
         "id_mismatches": result["id_mismatches"],
+        "usage_leaked": result.get("usage_leaked", 0),
     }
 
 
@@ -333,6 +374,7 @@ def memory_per_stream(
         "open_high": high["open"],
         "failed_to_open": result["failed_to_open"],
         "id_mismatches": result["id_mismatches"],
+        "usage_leaked": result.get("usage_leaked", 0),
     }
 
 

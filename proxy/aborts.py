@@ -200,7 +200,7 @@ class FrontEnd:
         return self._stops % _SAMPLE_EVERY != 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StopRequest:
     """What the tracker needs to stop one request's work at the engine."""
 
@@ -218,6 +218,9 @@ class StopRequest:
     # Loop time by which the engine certainly holds the request: now if its response body
     # began, else a while after the whole request reached it.
     registered_by: float = 0.0
+    # Reports the request's ending once the engine's work has stopped, with the tokens it
+    # produced after the client left (None: tether did not see them); set by the handler.
+    on_stopped: Callable[[int | None], None] | None = None
 
 
 class AbortTracker:
@@ -348,12 +351,16 @@ class AbortTracker:
                 and not at_once
                 and request.registered_by <= answered
             ):
-                self._note_outcome(request, missed=repeats > 0 or not ended_in_time)
+                # A repeat inside the window shows a miss only on an engine that ends the
+                # response before one goes out; SGLang's scheduler often ends it later.
+                repeated = repeats > 0 and self._engine.confirm_rule.ends_before_repeat
+                self._note_outcome(request, missed=repeated or not ended_in_time)
             if blind is not None:
                 repeats += await self._repeat_blind(request, *blind, confirm_by)
         finally:
             sending.cancel()
             upstream.close()  # never reused after a disconnect
+        self._report(request, _tokens_after_disconnect(request.relay))
         result = (
             AbortResult.DROPPED
             if at_once and outcome is _CallResult.ACCEPTED
@@ -466,8 +473,8 @@ class AbortTracker:
                 repeat.cancel()
 
     def _note_outcome(self, request: StopRequest, *, missed: bool) -> None:
-        """An abort of a request the engine held was, or was not, ended by its first call in
-        the window; a pattern of misses is a front end with several processes (or one that
+        """An abort of a request the engine held did, or did not, end its response within the
+        window; a pattern of misses is a front end with several processes (or one that
         ignores aborts)."""
         if self.front_end.confirm_outcome(missed, asyncio.get_running_loop().time()):
             log.warning(
@@ -506,8 +513,14 @@ class AbortTracker:
                 )
         finally:
             request.upstream.close()
+            self._report(request, _tokens_after_disconnect(request.relay))
             if request.span is not None:
                 request.span.end()
+
+    @staticmethod
+    def _report(request: StopRequest, tokens_after: int | None) -> None:
+        if request.on_stopped is not None:
+            request.on_stopped(tokens_after)
 
     # --- the abort call ----------------------------------------------------------------------
 

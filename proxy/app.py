@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 from aiohttp import web
 
 from .aborts import AbortTracker
-from .context import CONTEXT, ProxyContext
+from .context import CONTEXT, ProxyContext, UsageAsking
 from .engines import EngineProfile
 from .fleet import Fleet
 from .health import Readiness
@@ -67,6 +67,7 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 fleet=fleet,
                 tracer=tracer,
                 ids=IdMinter(),
+                usage=UsageAsking(settings.ask_for_usage),
             )
             monitor = asyncio.create_task(readiness.run(), name="readiness")
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 from aiohttp import web
 
 from .aborts import AbortTracker
@@ -16,6 +17,28 @@ from .request_ids import IdMinter
 from .settings import Settings
 from .tracing import Tracer
 from .upstream import UpstreamClient
+
+log = structlog.get_logger("tether.usage")
+
+
+class UsageAsking:
+    """Whether tether asks the engine for the usage of streams whose client did not
+    (TETHER_ASK_FOR_USAGE): until the engine shows it reports usage on every stream by itself,
+    where asking would only have tether take out events its clients get anyway."""
+
+    __slots__ = ("enabled",)
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def engine_reports_usage(self) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.info(
+                "engine_reports_usage",
+                consequence="the engine puts usage in every stream by itself: tether stops "
+                "asking for it and reads it from there",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +53,7 @@ class ProxyContext:
     fleet: Fleet
     tracer: Tracer | None  # None: tracing is off (or not installed) and costs nothing
     ids: IdMinter
+    usage: UsageAsking
 
 
 CONTEXT = web.AppKey("tether_context", ProxyContext)

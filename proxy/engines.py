@@ -75,6 +75,9 @@ class Route:
     samples_unnamed: bool = False
     # SGLang reads X-Override-Rid here (with header overrides on), so the body can stay as is.
     rid_header_honoured: bool = False
+    # A stream here reports its usage in a last event when the body asks for it
+    # (`stream_options.include_usage`, OpenAI chat and completions on vLLM and SGLang).
+    reports_usage_when_asked: bool = False
 
     def engine_request_ids(
         self, internal_request_id: str, batch: int | None = None, samples: int = 1
@@ -98,7 +101,13 @@ class Route:
 _VLLM_REQUEST_ID = BodyField("request_id", always=False)
 _VLLM_ROUTES = (
     # `chatcmpl-<id>`; n>1 children are reached through it too (verified).
-    Route("/v1/chat/completions", "chatcmpl-{id}", TokenShape.CHAT, (_VLLM_REQUEST_ID,)),
+    Route(
+        "/v1/chat/completions",
+        "chatcmpl-{id}",
+        TokenShape.CHAT,
+        (_VLLM_REQUEST_ID,),
+        reports_usage_when_asked=True,
+    ),
     # One engine request per prompt, `cmpl-<id>-<prompt index>`, even for a single prompt.
     Route(
         "/v1/completions",
@@ -107,6 +116,7 @@ _VLLM_ROUTES = (
         (_VLLM_REQUEST_ID,),
         fan_out=("prompt",),
         batch_engine_id="cmpl-{id}-{index}",
+        reports_usage_when_asked=True,
     ),
     # Anthropic messages run through the chat path: `chatcmpl-<X-Request-Id>`.
     Route("/v1/messages", "chatcmpl-{id}", TokenShape.MESSAGES),
@@ -157,6 +167,7 @@ _SGLANG_ROUTES = (
         (_SGLANG_RID,),
         samples_unnamed=True,
         rid_header_honoured=True,
+        reports_usage_when_asked=True,
     ),
     Route(
         "/v1/completions",
@@ -166,6 +177,7 @@ _SGLANG_ROUTES = (
         fan_out=("prompt",),
         batch_engine_id=_SGLANG_BATCH_ITEM,
         samples_unnamed=True,
+        reports_usage_when_asked=True,
     ),
     # A batch of `input_embeds` is not counted (tether would name `<rid>`, which matches no
     # item: its abort ends `unconfirmed` and the dropped connection stops it).
@@ -387,19 +399,26 @@ def public_routes(engine: Engine) -> tuple[str, ...]:
 class ConfirmRule:
     """How long an engine takes to end a response whose abort it accepted: the confirm
     window is `steps` engine steps (the one in progress, and those its scheduler takes to act
-    on the abort), at least `floor` seconds (its HTTP side's own delays)."""
+    on the abort), at least `floor` seconds (its HTTP side's own delays). With
+    `ends_before_repeat` a call that reached the process holding the request ends it before
+    the first repeat goes out (TETHER_ABORT_REPEAT_DELAY later), so a response that outlived
+    a repeat was ended by the repeat: the first call missed."""
 
     steps: float
     floor: float
+    ends_before_repeat: bool = False
 
 
 # vLLM acts on an abort at its next step boundary. Observed on 0.32 (CPU, ~3 ms a step):
 # streams end 1-11 ms after the call, up to 36 ms on the Responses API and behind a
-# middleware, up to 38 ms at the p99 of 8 concurrent streams.
-_VLLM_CONFIRM = ConfirmRule(steps=2, floor=0.05)
+# middleware, up to 38 ms at the p99 of 8 concurrent streams; with two API-server processes
+# a call that missed and a repeat that reached the right one end it 20-30 ms after the call.
+_VLLM_CONFIRM = ConfirmRule(steps=2, floor=0.05, ends_before_repeat=True)
 # SGLang's scheduler takes a few steps (observed 0.5.23: the stream ends 15-31 ms after the
-# call at 6-11 ms a step).
-_SGLANG_CONFIRM = ConfirmRule(steps=4, floor=0.05)
+# call at 6-11 ms a step; 14-60 ms after the close with 8 streams, SGLang and tether on one
+# core, and once more than 60): often after the first repeat went out. Its abort reaches the
+# scheduler from any tokenizer worker, so a miss is rare and a wide window costs little.
+_SGLANG_CONFIRM = ConfirmRule(steps=6, floor=0.1)
 _UNKNOWN_CONFIRM = ConfirmRule(steps=4, floor=0.1)
 
 
@@ -433,6 +452,13 @@ class EngineProfile:
         # there either, where it could collide with another request's.
         self._unknown_route_fields: tuple[BodyField, ...] = ()
         self.confirm_rule = _UNKNOWN_CONFIRM
+        # vLLM 0.32 writes its system_fingerprint on a stream's finishing chunks, unless the
+        # stream reports usage: then on the usage event alone.
+        self.usage_takes_fingerprint = self.engine is Engine.VLLM
+        # vLLM 0.32 counts a prompt (`prompt_tokens_total`) once its prefill has made the
+        # first token; a request ended before that reports its prompt in `usage` but was
+        # never prefilled. SGLang counts every finished request's prompt.
+        self.prompt_counted_from_first_token = self.engine is Engine.VLLM
         if self.engine is Engine.VLLM:
             routes = _VLLM_ROUTES
             self._unknown_route_fields = (_VLLM_REQUEST_ID,)

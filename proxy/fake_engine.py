@@ -129,6 +129,10 @@ class SeenAbort:
     connection: int = 0  # which connection the call came on (numbered as accepted)
 
 
+# vLLM's default system fingerprint, from its config (here a constant).
+FINGERPRINT = "fp_fake0032"
+
+
 def _compact(document: object) -> bytes:
     return json.dumps(document, separators=(",", ":")).encode()
 
@@ -156,6 +160,10 @@ class FakeEngine:
         # Accept this many abort calls (200) and act on none: an abort naming a wrong ID, or
         # one that overtook its request at the engine.
         self.ignore_aborts = 0
+        # Seconds from an abort call's answer until it ends its requests: an engine whose
+        # scheduler acts on aborts at a later step (SGLang's, under load).
+        self.abort_takes = 0.0
+        self._pending_aborts: set[asyncio.Task[None]] = set()
         self.print_aborts = False  # the CLI prints each abort call it honours
         self.requests: list[SeenRequest] = []
         self.generations: dict[str, Generation] = {}
@@ -385,11 +393,11 @@ class FakeEngine:
             yield event
         while item is not None:
             token, last = item
-            yield self._token_event(generation, token, "length" if last else None)
+            yield self._token_event(generation, token, "length" if last else None, include_usage)
             item = await generation.tokens.get()
         if generation.state is GenerationState.ABORTED:
             if api in (Api.CHAT, Api.COMPLETION, Api.GENERATE):
-                yield self._token_event(generation, "", "abort")
+                yield self._token_event(generation, "", "abort", include_usage)
         for event in self._closing(generation, include_usage):
             yield event
 
@@ -406,13 +414,22 @@ class FakeEngine:
             ]
         return []
 
-    def _token_event(self, generation: Generation, token: str, reason: str | None) -> bytes:
+    def _token_event(
+        self, generation: Generation, token: str, reason: str | None, include_usage: bool
+    ) -> bytes:
         api = generation.api
+        # Like vLLM 0.32: the finishing chunk carries the system fingerprint, unless the
+        # stream reports usage (then its usage event does).
+        fingerprint = {"system_fingerprint": FINGERPRINT} if reason and not include_usage else {}
         if api is Api.CHAT:
-            return self._sse(self._chat_chunk(generation, {"content": token}, reason))
+            return self._sse(
+                {**self._chat_chunk(generation, {"content": token}, reason), **fingerprint}
+            )
         if api is Api.COMPLETION:
             choice = {"index": 0, "text": token, "logprobs": None, "finish_reason": reason}
-            return self._sse(self._chunk(generation, "text_completion", [choice]))
+            return self._sse(
+                {**self._chunk(generation, "text_completion", [choice]), **fingerprint}
+            )
         if api is Api.GENERATE:
             meta: dict[str, Any] = {"id": generation.response_id, "finish_reason": reason}
             meta["completion_tokens"] = generation.produced
@@ -432,7 +449,8 @@ class FakeEngine:
             if not include_usage:
                 return []
             kind = "chat.completion.chunk" if api is Api.CHAT else "text_completion"
-            return [self._sse({**self._chunk(generation, kind, []), "usage": usage})]
+            chunk = {**self._chunk(generation, kind, []), "usage": usage}
+            return [self._sse({**chunk, "system_fingerprint": FINGERPRINT})]
         if api is Api.MESSAGES:
             output = {"input_tokens": 3, "output_tokens": generation.produced}
             aborted = generation.state is GenerationState.ABORTED
@@ -617,13 +635,23 @@ class FakeEngine:
             )
         if self.ignore_aborts > 0:
             self.ignore_aborts -= 1
+        elif self.abort_takes > 0:
+            task = asyncio.create_task(self._end_aborted(targets, self.abort_takes))
+            self._pending_aborts.add(task)
+            task.add_done_callback(self._pending_aborts.discard)
         else:
-            for generation in targets:
-                if generation.state is GenerationState.RUNNING:
-                    generation.stopped_by = "abort"
-                generation.end(GenerationState.ABORTED)
+            await self._end_aborted(targets, 0.0)
         await self._notify()
         return web.json_response(reply) if reply is not None else web.Response(status=200)
+
+    async def _end_aborted(self, targets: list[Generation], after: float) -> None:
+        if after:
+            await asyncio.sleep(after)
+        for generation in targets:
+            if generation.state is GenerationState.RUNNING:
+                generation.stopped_by = "abort"
+            generation.end(GenerationState.ABORTED)
+        await self._notify()
 
 
 def _sglang_batch(payload: dict[str, Any]) -> int | None:

@@ -64,6 +64,7 @@ from .tokens import TokenCounter, TokenShape
 from .tracing import RequestSpan
 from .upstream_connection import ResponseHead
 from .upstream_exchange import UpstreamExchange
+from .usage_events import UsageEventFilter
 
 log = structlog.get_logger("tether.request")
 
@@ -90,27 +91,34 @@ class RequestCycle:
         "background",
         "batch",
         "client_response",
+        "model",
         "relay",
         "route",
         "samples",
         "span",
         "span_handed_over",
         "state",
+        "stop",
         "upstream",
+        "usage_asked",
     )
 
     def __init__(self, state: RequestState, route: Route | None, span: RequestSpan | None) -> None:
         self.state = state
         self.route = route
         self.span = span
-        # The abort tracker ends the span once the engine's work has stopped.
+        # The abort tracker ends the span (and reports the request) once the engine's work
+        # has stopped.
         self.span_handed_over = False
+        self.stop: StopRequest | None = None
         self.upstream: UpstreamExchange | None = None
         self.relay: ResponseRelay | None = None
         self.client_response: web.StreamResponse | None = None
         self.background = False  # the client asked the engine to outlive the connection
         self.batch: int | None = None  # prompts in the body's batch; None: one prompt
         self.samples = 1  # samples it asks for (`n`)
+        self.usage_asked = False  # tether asked for the stream's usage: the client did not
+        self.model: str | None = None  # the body's `model`, where tether read the body
 
 
 async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.StreamResponse:
@@ -228,7 +236,12 @@ async def _forward(
     response_head = await upstream.wait_head()
     mapper = _id_mapper(response_head, cycle)
     tokens = TokenCounter(cycle.route.tokens if cycle.route is not None else TokenShape.NONE)
-    cycle.relay = relay = ResponseRelay(upstream, tokens, mapper)
+    usage = (
+        UsageEventFilter(restore_fingerprint=ctx.engine.usage_takes_fingerprint)
+        if cycle.usage_asked and _is_sse(response_head)
+        else None
+    )
+    cycle.relay = relay = ResponseRelay(upstream, tokens, mapper, usage)
     cycle.state.relay = relay
     length = response_head.content_length
     if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
@@ -258,7 +271,10 @@ async def _send(
         state.internal_request_id,
         max_json_body=settings.max_json_body,
         body_timeout=settings.client_body_timeout,
+        ask_for_usage=ctx.usage.enabled,
     )
+    cycle.usage_asked = outgoing.usage_asked
+    cycle.model = outgoing.model
     cycle.background = outgoing.background
     cycle.batch = outgoing.batch
     cycle.samples = outgoing.samples
@@ -350,14 +366,20 @@ async def _relay_stream(
         transport,
         writer,
         chunked=_is_chunked(writer),
-        is_sse=headers.get(_CONTENT_TYPE, "").startswith("text/event-stream"),
+        is_sse=_is_sse(head),
     )
     cycle.state.phase = Phase.STREAMING
     cycle.upstream.attach(cycle.relay)
     await cycle.upstream.wait_end(ctx.settings.stream_idle_timeout)
     cycle.relay.finish()
+    if cycle.relay.engine_reports_usage:
+        ctx.usage.engine_reports_usage()
     await _to_client(response.write_eof())
     return response
+
+
+def _is_sse(head: ResponseHead) -> bool:
+    return head.headers.get(_CONTENT_TYPE, "").startswith("text/event-stream")
 
 
 def _is_chunked(writer: AbstractStreamWriter) -> bool:
@@ -491,10 +513,9 @@ def _stop_upstream(
         else None,
         registered_by=now if first_body_at is not None else upstream.sent_at + _REGISTERED_AFTER,
     )
-    if cycle.background:
-        cycle.span_handed_over = ctx.aborts.let_finish(stop)
-    else:
-        cycle.span_handed_over = ctx.aborts.stop(stop)
+    handed_over = ctx.aborts.let_finish(stop) if cycle.background else ctx.aborts.stop(stop)
+    cycle.span_handed_over = handed_over
+    cycle.stop = stop if handed_over else None
 
 
 def _answer_failure(
@@ -615,22 +636,63 @@ def _finish(
             tokens_relayed=tokens,
         )
         span.finish(status, error.message if error is not None else None)
-        if not cycle.span_handed_over:
-            span.end()
     level = error.log_level if error is not None else logging.INFO
-    if not log.is_enabled_for(level):
-        return  # the line's fields are not even assembled (most of its cost)
-    log.log(
-        level,
-        "request_finished",
-        method=state.method,
-        path=state.path,
-        status=status,
-        outcome=outcome.value,
-        duration_ms=round(duration * 1000, 2),
-        ttfb_ms=round(ttfb * 1000, 2) if ttfb is not None else None,
-        bytes_out=state.bytes_out,
-        tokens=tokens,
-        error=error.message if error is not None else None,
-        exc_info=exc,
-    )
+    line: dict[str, object] | None = None
+    if log.is_enabled_for(level):  # else the line's fields are not even assembled
+        line = {
+            "method": state.method,
+            "path": state.path,
+            "status": status,
+            "outcome": outcome.value,
+            "duration_ms": round(duration * 1000, 2),
+            "ttfb_ms": round(ttfb * 1000, 2) if ttfb is not None else None,
+            "bytes_out": state.bytes_out,
+            "tokens": tokens,
+            "error": error.message if error is not None else None,
+        }
+
+    def report(tokens_after_disconnect: int | None) -> None:
+        """What the engine says the request used, once known: now, or once tether stopped
+        the engine's work for it (the tokens it produced after the client left)."""
+        tokens_counted = relay.tokens if relay is not None else None
+        prompt = tokens_counted.reported_prompt() if tokens_counted is not None else None
+        engine_total = tokens_counted.reported() if tokens_counted is not None else None
+        completion = (
+            engine_total
+            if engine_total is not None
+            else tokens + (tokens_after_disconnect or 0)
+            if relay is not None
+            else None
+        )
+        if prompt is not None and completion == 0 and ctx.engine.prompt_counted_from_first_token:
+            prompt = 0  # ended before its prefill finished: as the engine counts it
+        if prompt is not None:
+            ctx.metrics.record_prompt_tokens(state.route, prompt)
+        if span is not None:
+            span.set_gen_ai(
+                input_tokens=prompt,
+                output_tokens=completion,
+                model=cycle.model,
+                finish_reasons=tokens_counted.finish_reasons() if tokens_counted else (),
+            )
+            if not cycle.span_handed_over:
+                span.end()
+        if line is None:
+            return
+        log.log(
+            level,
+            "request_finished",
+            **line,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            completion_tokens_after_disconnect=tokens_after_disconnect,
+            tokens_counted=(
+                "engine" if engine_total is not None else "events" if relay is not None else None
+            ),
+            exc_info=exc,
+        )
+
+    if cycle.stop is not None:
+        cycle.stop.on_stopped = report
+    else:
+        report(None)

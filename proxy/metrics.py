@@ -201,6 +201,12 @@ class Metrics:
             "never received counts whole). Counted as tether_tokens_relayed_total is.",
             ("route",),
         )
+        self.prompt_tokens = Counter(
+            "tether_prompt_tokens",
+            "Prompt tokens of the requests tether forwarded, by route, as the engine counts "
+            "them (abandoned requests included wherever tether read the end of the response).",
+            ("route",),
+        )
         self.upstream_errors = Counter(
             "tether_upstream_errors", "Upstream failures, by kind.", ("kind",)
         )
@@ -234,6 +240,7 @@ class Metrics:
             self.engine_stop,
             self.tokens_relayed,
             self.tokens_after_disconnect,
+            self.prompt_tokens,
             self.upstream_errors,
             self.duration,
             self.time_to_first_byte,
@@ -275,6 +282,10 @@ class Metrics:
 
     def record_tokens_after_disconnect(self, route: str, tokens: int) -> None:
         self.tokens_after_disconnect.inc(route, amount=tokens)
+
+    def record_prompt_tokens(self, route: str, tokens: int) -> None:
+        if tokens:
+            self.prompt_tokens.inc(route, amount=tokens)
 
     def count_abort(self, engine: str, result: str) -> None:
         self.aborts.inc(engine, result)

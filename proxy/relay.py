@@ -15,6 +15,7 @@ from aiohttp.abc import AbstractStreamWriter
 from .request_ids import IdMapper
 from .tokens import TokenCounter
 from .upstream_exchange import UpstreamExchange
+from .usage_events import UsageEventFilter
 
 # Below this a chunk is copied into its chunked framing (one buffer is cheaper to send than
 # three); above it the framing goes out beside it (aiohttp's own threshold).
@@ -41,6 +42,7 @@ class ResponseRelay:
         "_mapper",
         "_mode",
         "_transport",
+        "_usage",
         "_writer",
         "bytes_out",
         "sse_events",
@@ -49,10 +51,16 @@ class ResponseRelay:
     )
 
     def __init__(
-        self, exchange: UpstreamExchange, tokens: TokenCounter, mapper: IdMapper | None
+        self,
+        exchange: UpstreamExchange,
+        tokens: TokenCounter,
+        mapper: IdMapper | None,
+        usage: UsageEventFilter | None = None,
     ) -> None:
         self._exchange = exchange
         self._mapper = mapper
+        # Takes out the usage event tether asked for (counted above, never relayed).
+        self._usage = usage
         self._mode = _Mode.HOLD
         self._transport: asyncio.Transport | None = None
         self._writer: AbstractStreamWriter | None = None
@@ -112,6 +120,10 @@ class ResponseRelay:
             return
         if mode is not _Mode.CLIENT:
             return
+        if self._usage is not None:
+            chunk = self._usage.feed(chunk)
+            if not chunk:
+                return
         if self._mapper is not None:
             chunk = self._mapper.feed(chunk)
             if not chunk:
@@ -154,10 +166,13 @@ class ResponseRelay:
     # --- the end ---------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """The engine's response ended: what the ID mapper still held goes out."""
-        if self._mode is not _Mode.CLIENT or self._mapper is None:
+        """The engine's response ended: what the usage filter and the ID mapper still held
+        goes out."""
+        if self._mode is not _Mode.CLIENT:
             return
-        tail = self._mapper.flush()
+        tail = self._usage.flush() if self._usage is not None else b""
+        if self._mapper is not None:
+            tail = self._mapper.feed(tail) + self._mapper.flush()
         if tail:
             self._write_tail(tail)
 
@@ -169,6 +184,11 @@ class ResponseRelay:
             return
         transport.write(b"%x\r\n%b\r\n" % (len(tail), tail) if self._chunked else tail)
         self.bytes_out += len(tail)
+
+    @property
+    def engine_reports_usage(self) -> bool:
+        """The engine put usage in this stream unasked (tether asked anyway)."""
+        return self._usage is not None and self._usage.engine_reports_usage
 
     def buffered(self) -> bytes:
         """The whole body, in BUFFER mode."""

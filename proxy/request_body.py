@@ -27,10 +27,13 @@ from multidict import CIMultiDict, istr
 
 from .engines import BodyField, Route
 from .errors import ClientBodyTimeoutError, InvalidRequestBodyError, RequestBodyTooLargeError
-from .request_ids import InvalidJsonBody, read_json_object, write_json_object
+from .request_ids import InvalidJsonBody, JsonObject, RawJson
 from .upstream_exchange import RequestBody
 
 _CONTENT_TYPE = istr("Content-Type")
+_STREAM = b'"stream"'
+# What asking a stream's usage sets where the body has no stream_options (most bodies).
+_INCLUDE_USAGE = RawJson('{"include_usage":true}')
 _EXPECT = istr("Expect")
 
 
@@ -39,7 +42,6 @@ class OutgoingBody:
     """What goes to the engine, and what tether learnt from the body on the way."""
 
     body: RequestBody
-    rewritten: bool = False
     # The client asked the engine to keep working after the connection closes (Responses
     # API `"background": true`): such a request is never aborted on a disconnect.
     background: bool = False
@@ -47,6 +49,11 @@ class OutgoingBody:
     batch: int | None = None
     # How many samples it asks for (`n`).
     samples: int = 1
+    # tether asked the engine for the stream's usage, which the client did not ask for: the
+    # usage event is taken out of what the client gets.
+    usage_asked: bool = False
+    # The body's `model`, where tether read the body.
+    model: str | None = None
 
     @property
     def streamed(self) -> bool:
@@ -61,15 +68,20 @@ async def outgoing_body(
     *,
     max_json_body: int,
     body_timeout: float,
+    ask_for_usage: bool,
 ) -> OutgoingBody:
     """The body to send upstream for `request` on `route`; `forwarded` are the headers the
-    engine will get (its Content-Type, not one a `Connection` token removed)."""
+    engine will get (its Content-Type, not one a `Connection` token removed). With
+    `ask_for_usage`, a stream on a route that reports usage when asked is asked to."""
     if not request.body_exists:
         return OutgoingBody(None)
     fields = route.body_fields if route is not None else ()
+    usage = ask_for_usage and route is not None and route.reports_usage_when_asked
     # Read whole where tether writes its ID in, or must learn from the body which engine
     # requests it makes (a batch, n > 1) even when the ID goes in a header.
-    must_read = route is not None and bool(fields or route.fan_out or route.samples_unnamed)
+    must_read = route is not None and bool(
+        fields or route.fan_out or route.samples_unnamed or usage
+    )
     if not must_read:
         await _send_continue_if_asked(request)
         return OutgoingBody(stream_body(request, body_timeout))
@@ -86,26 +98,44 @@ async def outgoing_body(
     body = start + await _read_whole(request, max_json_body - len(start), body_timeout)
     assert route is not None
     maybe = [field for field in fields if field.always or _mentions(body, field)]
-    if not (maybe or route.may_run_in_background or route.fan_out or route.samples_unnamed):
+    # No literal "stream" in it: not a stream (a spelling that hides it only loses usage).
+    usage = usage and _STREAM in body
+    if not (
+        maybe or usage or route.may_run_in_background or route.fan_out or route.samples_unnamed
+    ):
         return OutgoingBody(body)
     try:
-        document = read_json_object(body)
+        document = JsonObject(body)
     except InvalidJsonBody as exc:
         if not labelled_json:
             return OutgoingBody(body)  # not JSON after all: nothing for an engine to read
         raise InvalidRequestBodyError(str(exc)) from None
     n = document.get("n")
+    model = document.get("model")
     outgoing = OutgoingBody(
         body,
         background=route.may_run_in_background and document.get("background") is True,
         batch=_batch(document, route.fan_out),
         samples=n if isinstance(n, int) and n > 1 else 1,
+        model=model if isinstance(model, str) else None,
     )
-    needed = [field for field in maybe if field.always or _holds(document, field.name)]
-    if needed:
-        for field in needed:
-            _set_field(document, field.name, field.value.format(id=internal_request_id))
-        outgoing.body, outgoing.rewritten = write_json_object(document), True
+    values: dict[str, Any] = {
+        field.name: field.value.format(id=internal_request_id)
+        for field in maybe
+        if field.always or _holds(document, field.name)
+    }
+    if usage and document.get("stream") is True:
+        options = document.get("stream_options")
+        if options is None:
+            values["stream_options"], outgoing.usage_asked = _INCLUDE_USAGE, True
+        elif not (isinstance(options, dict) and options.get("include_usage") is True):
+            values["stream_options"] = {
+                **(options if isinstance(options, dict) else {}),
+                "include_usage": True,
+            }
+            outgoing.usage_asked = True
+    if values:
+        outgoing.body = document.with_members(values)
     return outgoing
 
 
@@ -117,30 +147,16 @@ def _check_declared_length(request: web.BaseRequest, limit: int) -> None:
         )
 
 
-def _set_field(document: dict[str, Any], name: str, value: str) -> None:
-    """Set `name` (dotted for a field inside an object field) to `value`; an inner field the
-    body has not got, or that is not an object, becomes one."""
-    *outer, last = name.split(".")
-    for key in outer:
-        inner = document.get(key)
-        if not isinstance(inner, dict):
-            inner = document[key] = {}
-        document = inner
-    document[last] = value
-
-
-def _holds(document: dict[str, Any], name: str) -> bool:
+def _holds(document: JsonObject, name: str) -> bool:
     """Whether the body has the field `name` (dotted for a field inside an object field)."""
-    *outer, last = name.split(".")
-    for key in outer:
-        inner = document.get(key)
-        if not isinstance(inner, dict):
-            return False
-        document = inner
-    return last in document
+    outer, _, inner = name.partition(".")
+    if not inner:
+        return name in document
+    value = document.get(outer)
+    return isinstance(value, dict) and inner in value
 
 
-def _batch(document: dict[str, Any], fields: tuple[str, ...]) -> int | None:
+def _batch(document: JsonObject, fields: tuple[str, ...]) -> int | None:
     """How many prompts the first of `fields` present holds as a list (a string or a list of
     token IDs is one prompt: None)."""
     for name in fields:

@@ -150,8 +150,8 @@ class Settings(BaseSettings):
         2.0,
         description="Seconds after a disconnect within which an abort may still be confirmed "
         "and its call repeated. tether keeps reading the engine's response only for the "
-        "confirm window, learned from the engine's own confirmed aborts (200 ms until eight "
-        "were seen), never longer than this; then the connection is dropped.",
+        "confirm window (the engine's steps to act on an abort, at least 50 ms), never longer "
+        "than this; then the connection is dropped.",
     )
     abort_repeat_delay: float = Field(
         0.02,
@@ -165,6 +165,13 @@ class Settings(BaseSettings):
         30.0,
         ge=0,
         description="Seconds in-flight requests may finish after SIGTERM before being aborted.",
+    )
+    ask_for_usage: bool = Field(
+        True,
+        description="On streams whose client did not ask for usage (OpenAI chat and "
+        "completions on vLLM and SGLang), ask the engine for it (stream_options.include_usage) "
+        "and take the usage event out of what the client receives: exact token counts for "
+        "every request, abandoned ones included.",
     )
     upstream_health_path: str = Field("/health", description="Engine path polled for readiness.")
     health_interval: Seconds = Field(2.0, description="Seconds between readiness checks.")

@@ -71,12 +71,16 @@ _MARKERS: dict[TokenShape, _EventMarkers] = {
 # `completion_tokens_details` and escaped quotes inside generated text from matching.
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _OUTPUT_TOKENS = b'"output_tokens":'
+# The prompt's: `usage.prompt_tokens` (OpenAI, SGLang's meta_info), `input_tokens`
+# (Anthropic's message_start, at a stream's start; Responses).
+_PROMPT_TOKENS = (b'"prompt_tokens":', b'"input_tokens":')
+_FINISH_REASONS = (b'"finish_reason":"', b'"stop_reason":"')
 
 
 class TokenCounter:
     """Counts the tokens in one response's body, chunk by chunk, as it passes."""
 
-    __slots__ = ("_counted", "_excluded", "_last", "_previous", "_third", "events")
+    __slots__ = ("_counted", "_excluded", "_first", "_last", "_previous", "_third", "events")
 
     def __init__(self, shape: TokenShape) -> None:
         markers = _MARKERS[shape]
@@ -86,6 +90,7 @@ class TokenCounter:
         # answer and in the last events of a stream (usage, then `[DONE]`), which network
         # reads deliver in whole events or more.
         self._last = self._previous = self._third = b""
+        self._first: bytes | None = None  # where a stream's opening event says the prompt's
         self.events = 0
 
     def feed(self, chunk: bytes) -> int:
@@ -99,23 +104,55 @@ class TokenCounter:
                     for marker in markers:
                         found -= chunk.count(marker)
             self.events += found
+        if self._first is None:
+            self._first = chunk
         self._third, self._previous, self._last = self._previous, self._last, chunk
         return found
 
     def reported(self) -> int | None:
         """The engine's own token count from the last bytes seen, if it reported one."""
-        tail = self._third + self._previous + self._last
-        usage, output = tail.rfind(_COMPLETION_TOKENS), tail.rfind(_OUTPUT_TOKENS)
-        at, marker = (usage, _COMPLETION_TOKENS) if usage > output else (output, _OUTPUT_TOKENS)
-        if at < 0:
-            return None
-        digits = tail[at + len(marker) :].lstrip(b" ")
-        end = 0
-        while end < len(digits) and 48 <= digits[end] <= 57:
-            end += 1
-        return int(digits[:end]) if end else None
+        return _last_number(self._tail(), (_COMPLETION_TOKENS, _OUTPUT_TOKENS))
+
+    def reported_prompt(self) -> int | None:
+        """The prompt's tokens, as the engine reported them (at the end, or in a stream's
+        opening event), if it did."""
+        found = _last_number(self._tail(), _PROMPT_TOKENS)
+        if found is None and self._first is not None:
+            found = _last_number(self._first, _PROMPT_TOKENS)
+        return found
+
+    def finish_reasons(self) -> tuple[str, ...]:
+        """The finish reasons the response's last bytes name (`finish_reason`, Anthropic's
+        `stop_reason`), each once."""
+        tail = self._tail()
+        found: dict[str, None] = {}
+        for marker in _FINISH_REASONS:
+            at = tail.find(marker)
+            while at >= 0:
+                start = at + len(marker)
+                end = tail.find(b'"', start)
+                if end < 0 or end - start > 64:
+                    break
+                found[tail[start:end].decode("ascii", "replace")] = None
+                at = tail.find(marker, end)
+        return tuple(found)
+
+    def _tail(self) -> bytes:
+        return self._third + self._previous + self._last
 
     def total(self) -> int:
         """Tokens in the whole response: the engine's count where given, else the events."""
         reported = self.reported()
         return reported if reported is not None else self.events
+
+
+def _last_number(data: bytes, markers: tuple[bytes, ...]) -> int | None:
+    """The number after the last of `markers` in `data`, if any."""
+    at, marker = max((data.rfind(marker), marker) for marker in markers)
+    if at < 0:
+        return None
+    digits = data[at + len(marker) :].lstrip(b" ")
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None

@@ -54,6 +54,25 @@ class RequestSpan:
             if value is not None:
                 self._span.set_attribute(f"tether.{name}", value)
 
+    def set_gen_ai(
+        self,
+        *,
+        input_tokens: int | None,
+        output_tokens: int | None,
+        model: str | None,
+        finish_reasons: tuple[str, ...],
+    ) -> None:
+        """The OpenTelemetry GenAI semantic conventions' usage and model attributes."""
+        for name, value in (
+            ("gen_ai.usage.input_tokens", input_tokens),
+            ("gen_ai.usage.output_tokens", output_tokens),
+            ("gen_ai.request.model", model),
+        ):
+            if value is not None:
+                self._span.set_attribute(name, value)
+        if finish_reasons:
+            self._span.set_attribute("gen_ai.response.finish_reasons", list(finish_reasons))
+
     def event(self, name: str, **attributes: str | int | float | bool | None) -> None:
         self._span.add_event(
             name, {f"tether.{key}": value for key, value in attributes.items() if value is not None}

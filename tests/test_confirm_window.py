@@ -6,14 +6,14 @@ direct close stops it; what tether counts `confirmed` is what the engine's abort
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 
 from proxy.aborts import FrontEnd
 from proxy.engines import ConfirmRule
-from proxy.fake_engine import FakeEngine, Generation, GenerationState
+from proxy.fake_engine import AbortRoute, FakeEngine, Generation, GenerationState
+from proxy.runner import TetherServer
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled
 from .support.metrics import metric
@@ -156,12 +156,35 @@ async def test_a_confirmed_abort_keeps_the_connection_until_the_engine_ends_it(
     leaver's abort is confirmed, ended by the abort, not by the dropped connection."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL, hears_disconnects=True)
     server = await tether(engine_url)
-    for _ in range(12):
+    await _each_stopped_by_its_abort(server, engine, 12)
+    registry = server.context.metrics.registry
+    assert metric(registry, "tether_aborts_total", engine="vllm", result="confirmed") == 12
+
+
+async def test_an_engine_slow_to_act_on_its_aborts_is_not_taken_for_one_that_misses(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """SGLang ends an aborted stream when its scheduler gets to the abort, here 35 ms after
+    answering the call (a loaded machine): the repeat after 20 ms goes out before the end,
+    yet the end comes inside the window, so every abort is confirmed and none dropped."""
+    engine, engine_url = await fake_engine(
+        token_interval=TOKEN_INTERVAL, hears_disconnects=True, abort_route=AbortRoute.SGLANG
+    )
+    engine.abort_takes = 0.035
+    server = await tether(engine_url, engine="sglang", abort_repeat_delay=0.02, health_interval=5.0)
+    await _each_stopped_by_its_abort(server, engine, 8)
+    registry = server.context.metrics.registry
+    assert metric(registry, "tether_aborts_total", engine="sglang", result="confirmed") == 8
+    assert len(engine.aborts) > 8  # the repeats went out: they are not what makes a miss
+
+
+async def _each_stopped_by_its_abort(
+    server: TetherServer, engine: FakeEngine, leavers: int
+) -> None:
+    """`leavers` streaming clients leave one after another; the engine's abort stops each."""
+    for _ in range(leavers):
         generation, _ = await _leave_through(server.port, engine, stream=True)
         await _stopped(engine, generation)
         assert generation.stopped_by == "abort"
         await settled(server)
     await drained(server)
-    registry = server.context.metrics.registry
-    assert metric(registry, "tether_aborts_total", engine="vllm", result="confirmed") == 12
-    await asyncio.sleep(0)

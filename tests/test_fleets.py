@@ -103,6 +103,40 @@ async def test_preserve_mode_keeps_a_pd_pair_intact_across_two_pods(
     assert [e.requests[0].headers["X-Request-Id"] for e in (prefill, decode)] == ["pair-1"] * 2
 
 
+# A body as a P/D router sends it: its own fields, numbers and spacing as it wrote them.
+_ROUTED_BODY = (
+    b'{"model": "fake", "messages": [{"role": "user", "content": "h\\u00e9llo"}],\n'
+    b' "max_tokens": 3, "temperature": 0.70, "stream": %s,'
+    b' "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [1, 2, 3],'
+    b' "remote_engine_id": "prefill-0", "remote_host": "10.0.0.7", "lease": 30.0},'
+    b' "router_hints": {"x-gateway-destination-endpoint": "10.0.0.8:8000"}}'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+async def test_preserve_mode_passes_kv_transfer_params_and_router_fields_byte_for_byte(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, stream: bool
+) -> None:
+    """In preserve mode the engine gets the router's body as the router wrote it: its
+    `kv_transfer_params`, its own fields, number spellings and spacing byte for byte; a
+    stream gains only the usage tether asks for, as the body's first member."""
+    engine, engine_url = await fake_engine(max_tokens=3)
+    server = await tether(engine_url, request_id_mode="preserve")
+    body = _ROUTED_BODY % (b"true" if stream else b"false")
+    client = await RawClient.connect(server.port)
+    await client.send_request(body, headers={"X-Request-Id": "pair-7"})
+    reply = await client.read_reply()
+    client.close_fin()
+
+    assert reply.status == 200
+    [seen] = engine.requests
+    expected = (
+        body.replace(b"{", b'{"stream_options":{"include_usage":true},', 1) if stream else body
+    )
+    assert seen.body == expected
+    assert seen.headers["X-Request-Id"] == "pair-7"
+
+
 async def test_preserve_mode_aborts_by_the_preserved_id(
     fake_engine: FakeEngineFactory, tether: TetherFactory
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from typing import Any
 
 import aiohttp
 import pytest
@@ -17,10 +18,9 @@ from proxy.request_ids import (
     IdMinter,
     InvalidClientRequestId,
     InvalidJsonBody,
+    JsonObject,
     check_client_request_id,
     json_escaped,
-    read_json_object,
-    write_json_object,
 )
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, settled, sse_ids, url
@@ -60,21 +60,93 @@ def test_visible_ascii_client_ids_up_to_256_are_accepted(value: str) -> None:
     assert check_client_request_id(value) == value
 
 
-def test_body_fields_are_set_and_others_kept() -> None:
-    """Writing the ID into a JSON body replaces only that field."""
-    text = f"{CANARY_PROMPT} héllo"
-    body = json.dumps({"request_id": "client", "stream": True, "text": text}).encode()
-    document = read_json_object(body)
-    document["request_id"] = "internal"
-    rewritten = json.loads(write_json_object(document))
-    assert rewritten == {"request_id": "internal", "stream": True, "text": text}
+def test_body_fields_are_set_and_every_other_byte_kept() -> None:
+    """Writing the ID into a JSON body replaces only that field's value: every other byte
+    (spacing, key order, number spellings, escapes, a router's `kv_transfer_params`) is as the
+    client sent it."""
+    body = (
+        b'{ "request_id" : "client",\n "stream": true, "text": "'
+        + CANARY_PROMPT.encode()
+        + b' h\\u00e9llo", "kv_transfer_params": {"remote_block_ids": [1, 2], "lease": 30.0,'
+        b' "x": 1e2}}'
+    )
+    edited = JsonObject(body).with_members({"request_id": "internal"})
+    assert edited == body.replace(b'"client"', b'"internal"')
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_missing_field_is_added_first_and_a_repeated_one_set_everywhere() -> None:
+    """An absent field goes in right after the opening brace; a name written twice (which
+    json.loads reads as its last) gets tether's value in both places."""
+    assert JsonObject(b'{"a": 1}').with_members({"rid": "x"}) == b'{"rid":"x","a": 1}'
+    assert JsonObject(b"{ }").with_members({"rid": "x"}) == b'{"rid":"x" }'
+    twice = JsonObject(b'{"rid": "a", "rid": "b"}')
+    assert twice.get("rid") == "b"
+    assert twice.with_members({"rid": "x"}) == b'{"rid": "x", "rid": "x"}'
+
+
+def test_a_dotted_field_is_set_inside_its_object_or_makes_one() -> None:
+    """`parameters.rid` sets a member of `parameters`, keeping its other bytes; where
+    `parameters` is missing or not an object, it becomes one."""
+    body = b'{"parameters": {"temperature": 0.50, "rid": "mine"}, "instances": []}'
+    assert JsonObject(body).with_members({"parameters.rid": "x"}) == body.replace(b'"mine"', b'"x"')
+    assert json.loads(JsonObject(b'{"parameters": 3}').with_members({"parameters.rid": "x"})) == {
+        "parameters": {"rid": "x"}
+    }
+    assert json.loads(JsonObject(b'{"a": 1}').with_members({"parameters.rid": "x"})) == {
+        "parameters": {"rid": "x"},
+        "a": 1,
+    }
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
+def test_a_body_in_another_utf_is_read_and_written_as_utf8(encoding: str) -> None:
+    """A body json.loads reads (another UTF, a BOM) is edited too, and goes out as UTF-8."""
+    body = json.dumps({"rid": "client", "text": "héllo"}).encode(encoding)
+    document = JsonObject(body)
+    assert document.get("rid") == "client"
+    assert json.loads(document.with_members({"rid": "x"}).decode("utf-8")) == {
+        "rid": "x",
+        "text": "héllo",
+    }
+
+
+@pytest.mark.parametrize(
+    "body", [b"{not json", b"[1, 2]", b"\xff\xfe", b'{"a": 1} trailing', b'"text"', b"", b"{"]
+)
 def test_bodies_that_are_not_json_objects_are_refused(body: bytes) -> None:
     """tether cannot write its ID into a body that is not a JSON object."""
     with pytest.raises(InvalidJsonBody):
-        read_json_object(body)
+        JsonObject(body)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(
+    st.dictionaries(st.text(max_size=8), _json_values, max_size=6),
+    st.dictionaries(st.sampled_from(["rid", "request_id", "stream_options"]), _json_values),
+    st.booleans(),
+)
+def test_setting_members_is_what_json_would_read(
+    document: dict[str, Any], values: dict[str, Any], spaced: bool
+) -> None:
+    """Whatever the object and however it is spaced: after setting some members, the body
+    reads (json.loads) as the object with those values, and every member not set keeps its
+    text byte for byte."""
+    separators = (", ", ": ") if spaced else (",", ":")
+    body = json.dumps(document, separators=separators, ensure_ascii=False).encode()
+    edited = JsonObject(body).with_members(values)
+    assert json.loads(edited) == {**document, **values}
+    for name, value in document.items():
+        if name not in values:
+            written = json.dumps({name: value}, separators=separators, ensure_ascii=False)
+            assert written[1:-1].encode() in edited
 
 
 def _map_in_pieces(internal: str, client: str, data: bytes, cuts: list[int]) -> bytes:

@@ -26,8 +26,9 @@ from .support.metrics import metric
 from .support.raw_http import RawClient, parse_reply
 
 
-def _events(internal_id: str) -> list[bytes]:
-    return [
+def _events(internal_id: str, usage: bool) -> list[bytes]:
+    """A stream as engines write it; the usage event only where the body asked for it."""
+    events = [
         b'data: {"id":"chatcmpl-'
         + internal_id.encode()
         + b'","choices":[{"delta":{"content":"a"}}]}\n\n',
@@ -35,19 +36,30 @@ def _events(internal_id: str) -> list[bytes]:
         b'data: {"id":"chatcmpl-' + internal_id.encode() + b'","choices":[],"usage":{"x":1}}\n\n',
         b"data: [DONE]\n\n",
     ]
+    return events if usage else events[:2] + events[3:]
 
 
+@pytest.mark.parametrize("client_asks_usage", [False, True], ids=["usage-unasked", "usage-asked"])
 async def test_sse_passes_byte_for_byte_apart_from_ids(
-    upstream_app: UpstreamAppFactory, tether: TetherFactory, http: aiohttp.ClientSession
+    upstream_app: UpstreamAppFactory,
+    tether: TetherFactory,
+    http: aiohttp.ClientSession,
+    client_asks_usage: bool,
 ) -> None:
-    """Every byte of an SSE stream arrives unchanged, except the internal ID, which becomes the
-    client's own in every event."""
+    """Every byte of an SSE stream arrives as the client would have had it from the engine,
+    except the internal ID, which becomes the client's own in every event: a usage event the
+    client asked for comes through; the one tether asked for (where the client did not) is
+    taken out."""
     sent: list[bytes] = []
+    asked: list[bool] = []
 
     async def stream(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        asked.append(usage)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for event in _events(request.headers["X-Request-Id"]):
+        for event in _events(request.headers["X-Request-Id"], usage):
             sent.append(event)
             await response.write(event)
         return response
@@ -55,12 +67,16 @@ async def test_sse_passes_byte_for_byte_apart_from_ids(
     app = web.Application()
     app.router.add_post("/v1/chat/completions", stream)
     server = await tether(await upstream_app(app))
+    body = chat_body()
+    if client_asks_usage:
+        body["stream_options"] = {"include_usage": True}
 
-    async with http.post(url(server), json=chat_body(), headers={"X-Request-Id": "client-7"}) as r:
+    async with http.post(url(server), json=body, headers={"X-Request-Id": "client-7"}) as r:
         received = await r.read()
 
-    expected = b"".join(_events("client-7"))
+    expected = b"".join(_events("client-7", usage=client_asks_usage))
     assert received == expected
+    assert asked == [True]  # tether asked where the client did not
     assert b"".join(sent) != expected  # the engine really saw another ID
 
 

@@ -200,3 +200,28 @@ async def test_spans_are_exported_over_otlp_http_by_the_real_process(
     finally:
         await runner.cleanup()
         await asyncio.sleep(0)
+
+
+async def test_span_carries_the_genai_usage_of_an_abandoned_request(
+    fake_engine: FakeEngineFactory,
+    traced: tuple[InMemorySpanExporter, list[TetherServer]],
+) -> None:
+    """OpenTelemetry's GenAI attributes, from the engine's own usage: the model asked for,
+    the prompt's and the completion's tokens (those after the client left included) and the
+    finish reason, for a stream its client abandoned."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await start_traced(traced, engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(max_tokens=100_000))
+    await client.read_until(b"tok2")
+    client.close_fin()
+    await settled(server)
+    await drained(server)
+
+    [span] = traced[0].get_finished_spans()
+    [generation] = engine.generations.values()
+    values = attributes(span)
+    assert values["gen_ai.request.model"] == "fake"
+    assert values["gen_ai.usage.input_tokens"] == 3
+    assert values["gen_ai.usage.output_tokens"] == generation.produced
+    assert list(values["gen_ai.response.finish_reasons"]) == ["abort"]

@@ -125,6 +125,12 @@ def test_abandoned_work_of_a_hundred_clients(
     timeline = _timeline(stack, vllm_mark)
 
     generated = _delta(vllm_before, vllm_after, "vllm:generation_tokens_total")
+    prompted = _delta(vllm_before, vllm_after, "vllm:prompt_tokens_total")
+    # What tether's request lines say each request used (the engine's usage where it had it).
+    lines = [finished[plan.client_request_id] for plan in plans]
+    completion_total = sum(int(line.get("completion_tokens", 0)) for line in lines)
+    prompt_total = sum(int(line.get("prompt_tokens", 0)) for line in lines)
+    counted_by_engine = sum(1 for line in lines if line.get("tokens_counted") == "engine")
     relayed = _delta(tether_before, tether_after, "tether_tokens_relayed_total")
     after_disconnect = _delta(tether_before, tether_after, "tether_tokens_after_disconnect_total")
     received = sum(d.tokens for d in departures)
@@ -169,6 +175,10 @@ def test_abandoned_work_of_a_hundred_clients(
         ("waste: vLLM generated - tokens relayed", generated - relayed),
         ("waste: vLLM generated - tokens received", generated - received),
         ("tokens after disconnect (tether)", after_disconnect),
+        ("completion tokens, sum of tether's request lines", completion_total),
+        ("prompt tokens, sum of tether's request lines", prompt_total),
+        ("vLLM prompt tokens", prompted),
+        ("request lines counted from the engine's usage", counted_by_engine),
         ("close -> vLLM aborts it, p50 (s, vLLM log)", _quantile(stop_latencies, 0.5)),
         ("close -> vLLM aborts it, p99 (s, vLLM log)", _quantile(stop_latencies, 0.99)),
         ("close -> vLLM aborts it, max (s, vLLM log)", max(stop_latencies, default=math.nan)),
@@ -229,6 +239,10 @@ def test_abandoned_work_of_a_hundred_clients(
         # on leavers that waste hundreds.
         missed = generated - received - after_disconnect
         assert missed <= len(reached), (generated, received, after_disconnect)
+        # With the engine's usage on every request (tether asks where the client did not),
+        # its books are vLLM's own.
+        assert completion_total == generated, (completion_total, generated)
+        assert prompt_total == prompted, (prompt_total, prompted)
     else:
         assert results["confirmed"] == 0 and after_disconnect == 0
         assert results["not_supported"] >= len(reached), results
