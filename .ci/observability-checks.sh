@@ -316,6 +316,8 @@ CONTRACT = {
     "tether_response_bytes_total": set(),
     "tether_sse_events_total": set(),
     "tether_upstream_ready": set(),
+    "tether_websocket_sessions_open": set(),
+    "tether_websocket_sessions_total": {"outcome"},
 }
 VALUES = {
     "status_class": {"1xx", "2xx", "3xx", "4xx", "5xx"},

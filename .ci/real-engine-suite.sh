@@ -5,7 +5,7 @@
 # .ci/sglang-suite.sh are the two as commands of their own.
 #
 # Assumes tether is pip-installed in the active Python environment. Installs what else it
-# needs: curl/taskset/venv support from Debian if missing, the openai SDK into the active
+# needs: curl/taskset/venv support from Debian if missing, the openai SDK and smg into the active
 # environment, the engine and aiperf into their own cached venvs (tests/engines/*.sh).
 # On 2 cores, measured from a clean checkout with empty engine caches (2026-12-01): vLLM 6.2
 # min (2.7 of it building the vLLM and aiperf venvs), SGLang 6.6 min (1.7 building its venv);
@@ -24,6 +24,7 @@ say() { echo "[$engine-suite] $*"; }
 
 PYTHON="${PYTHON:-python}"
 OPENAI_VERSION="3.57.0"
+SMG_VERSION="1.13.0"  # the router of test_behind_router.py, as pinned in pyproject's test extra
 
 as_root() { if [[ $EUID -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
 
@@ -40,7 +41,8 @@ fi
 
 "$PYTHON" -c 'import pathlib, sys; assert (pathlib.Path(sys.executable).parent / "tether").exists()' \
   || { say "no tether console script beside $PYTHON: pip install . first" >&2; exit 1; }
-"$PYTHON" -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION" 2>&1 \
+"$PYTHON" -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION" \
+  "smg==$SMG_VERSION" 2>&1 \
   | { grep -v '^WARNING: Location' || true; }
 
 started=$SECONDS

@@ -329,6 +329,7 @@ class AbortTracker:
                 upstream.close()
             outcome, attempts, detail = await sending
             answered = loop.time()
+            events_at_answer = request.relay.tokens.events
             window_end = answered
             # The next repeat and its delay, where repeats go on blind after the drop.
             blind: tuple[float, float] | None = None
@@ -351,9 +352,7 @@ class AbortTracker:
                 and not at_once
                 and request.registered_by <= answered
             ):
-                # A repeat inside the window shows a miss only on an engine that ends the
-                # response before one goes out; SGLang's scheduler often ends it later.
-                repeated = repeats > 0 and self._engine.confirm_rule.ends_before_repeat
+                repeated = repeats > 0 and self._ended_by_a_repeat(request, events_at_answer)
                 self._note_outcome(request, missed=repeated or not ended_in_time)
             if blind is not None:
                 repeats += await self._repeat_blind(request, *blind, confirm_by)
@@ -434,6 +433,22 @@ class AbortTracker:
             log.warning("abort_failed", **fields)
         if span is not None:
             span.end()
+
+    def _ended_by_a_repeat(self, request: StopRequest, events_at_answer: int) -> bool:
+        """Whether a stream that outlived a repeat of its abort was ended by the repeat (the
+        first call missed), on an engine whose steps act on a call it holds (vLLM; SGLang's
+        scheduler has no such bound). A stream counts its steps in its tokens: past the
+        call's answer the engine makes at most `steps` more, however long a loaded engine's
+        steps take, where a front end that missed goes on at full pace until a repeat
+        reaches the right process. A request with no tokens yet (queued, in prefill, not
+        streaming) shows no steps, and the time its step takes is unknown (a prefill's):
+        only a window that closed on it says it missed."""
+        rule = self._engine.confirm_rule
+        return (
+            rule.acts_within_steps
+            and request.step is not None
+            and request.relay.tokens.events - events_at_answer > rule.steps
+        )
 
     async def _wait_for_end(
         self, request: StopRequest, answered: float, window_end: float, confirm_by: float

@@ -78,6 +78,21 @@ class Route:
     # A stream here reports its usage in a last event when the body asks for it
     # (`stream_options.include_usage`, OpenAI chat and completions on vLLM and SGLang).
     reports_usage_when_asked: bool = False
+    # A body field the client may name its request in that tether reads but leaves alone
+    # (the engine reads tether's ID from a header that wins over it).
+    reads_client_id: BodyField | None = None
+
+    @property
+    def client_id_field(self) -> BodyField | None:
+        """The body field in which a client names its request to the engine (vLLM's
+        `request_id`, SGLang's `rid`): the engine writes that name into its answer, so tether
+        gives the client its value back. None where the engine's ID is the client's handle
+        for follow-up calls (the Responses API), which tether makes unique instead."""
+        if not self.maps_id_back:
+            return None
+        if self.reads_client_id is not None:
+            return self.reads_client_id
+        return next((field for field in self.body_fields if field.value == "{id}"), None)
 
     def engine_request_ids(
         self, internal_request_id: str, batch: int | None = None, samples: int = 1
@@ -400,20 +415,25 @@ class ConfirmRule:
     """How long an engine takes to end a response whose abort it accepted: the confirm
     window is `steps` engine steps (the one in progress, and those its scheduler takes to act
     on the abort), at least `floor` seconds (its HTTP side's own delays). With
-    `ends_before_repeat` a call that reached the process holding the request ends it before
-    the first repeat goes out (TETHER_ABORT_REPEAT_DELAY later), so a response that outlived
-    a repeat was ended by the repeat: the first call missed."""
+    `acts_within_steps` a call that reached the process holding the request ends it within
+    those steps of its answer, floor or not: a response that outlived a repeat and took more
+    steps than that (a stream's tokens count them) was ended by the repeat, so the first
+    call missed."""
 
     steps: float
     floor: float
-    ends_before_repeat: bool = False
+    acts_within_steps: bool = False
 
 
 # vLLM acts on an abort at its next step boundary. Observed on 0.32 (CPU, ~3 ms a step):
 # streams end 1-11 ms after the call, up to 36 ms on the Responses API and behind a
 # middleware, up to 38 ms at the p99 of 8 concurrent streams; with two API-server processes
 # a call that missed and a repeat that reached the right one end it 20-30 ms after the call.
-_VLLM_CONFIRM = ConfirmRule(steps=2, floor=0.05, ends_before_repeat=True)
+# The long ends come with long steps (a loaded engine): counted in steps (a stream's tokens
+# after the call's answer: 0-1 on one process, 4-6 after a miss at 3 ms a step) they tell
+# a miss apart; the repeat (20 ms) alone does not (a 100-client run had stops 30 and 37 ms
+# after the call's answer, with no token after it, on one API-server process).
+_VLLM_CONFIRM = ConfirmRule(steps=2, floor=0.05, acts_within_steps=True)
 # SGLang's scheduler takes a few steps (observed 0.5.23: the stream ends 15-31 ms after the
 # call at 6-11 ms a step; 14-60 ms after the close with 8 streams, SGLang and tether on one
 # core, and once more than 60): often after the first repeat went out. Its abort reaches the
@@ -459,6 +479,10 @@ class EngineProfile:
         # first token; a request ended before that reports its prompt in `usage` but was
         # never prefilled. SGLang counts every finished request's prompt.
         self.prompt_counted_from_first_token = self.engine is Engine.VLLM
+        # Which ID an engine writes into its answer when the client named one in the body
+        # and one in the request-ID header: vLLM 0.32 the header's (`_base_request_id`),
+        # SGLang its `rid` (it does not read X-Request-Id).
+        self.body_id_beats_header = self.engine is Engine.SGLANG
         if self.engine is Engine.VLLM:
             routes = _VLLM_ROUTES
             self._unknown_route_fields = (_VLLM_REQUEST_ID,)
@@ -469,8 +493,12 @@ class EngineProfile:
             self.confirm_rule = _SGLANG_CONFIRM
             self._unknown_route_fields = (_SGLANG_RID,)
             if settings.sglang_rid_header:
+                # The header wins there: a body naming a rid of its own is only read, for the
+                # value the client gets back.
                 routes = tuple(
-                    replace(route, body_fields=()) if route.rid_header_honoured else route
+                    replace(route, body_fields=(), reads_client_id=_SGLANG_RID)
+                    if route.rid_header_honoured
+                    else route
                     for route in routes
                 )
         self._routes = {route.path: route for route in routes}

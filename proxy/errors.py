@@ -94,6 +94,12 @@ class HttpVersionNotSupportedError(ClientRequestError):
     code = "http_version_not_supported"
 
 
+class UnsupportedUpgradeError(ClientRequestError):
+    """An `Upgrade` tether does not relay (anything but a WebSocket; h2c is ignored)."""
+
+    code = "unsupported_upgrade"
+
+
 # --- decided by tether's operator ------------------------------------------------------------
 
 

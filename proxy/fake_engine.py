@@ -297,7 +297,10 @@ class FakeEngine:
     ) -> Generation:
         api = _ROUTES[request.path]
         if self.abort_route is AbortRoute.SGLANG:
-            request_id = str(payload.get("rid") or os.urandom(16).hex())
+            # X-Override-Rid wins where SGLang takes header overrides (tether's rid in both).
+            request_id = str(
+                request.headers.get("X-Override-Rid") or payload.get("rid") or os.urandom(16).hex()
+            )
             # A batch (a list of prompts) runs as `<rid>_<index>`, one per prompt.
             batch = _sglang_batch(payload)
             engine_ids: tuple[str, ...] = (

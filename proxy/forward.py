@@ -23,7 +23,7 @@ import structlog
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
-from multidict import istr
+from multidict import CIMultiDict, istr
 
 from .aborts import StopRequest
 from .context import ProxyContext
@@ -53,7 +53,6 @@ from .relay import ResponseRelay
 from .request_body import outgoing_body
 from .request_ids import (
     IdMapper,
-    IdMinter,
     InvalidClientRequestId,
     check_client_request_id,
     json_escaped,
@@ -65,6 +64,7 @@ from .tracing import RequestSpan
 from .upstream_connection import ResponseHead
 from .upstream_exchange import UpstreamExchange
 from .usage_events import UsageEventFilter
+from .websocket import SWITCHING_HEADERS, WebSocketPipe, websocket_asked
 
 log = structlog.get_logger("tether.request")
 
@@ -91,6 +91,8 @@ class RequestCycle:
         "background",
         "batch",
         "client_response",
+        "echo_id",
+        "id_in_header",
         "model",
         "relay",
         "route",
@@ -99,8 +101,10 @@ class RequestCycle:
         "span_handed_over",
         "state",
         "stop",
+        "tunnel",
         "upstream",
         "usage_asked",
+        "websocket",
     )
 
     def __init__(self, state: RequestState, route: Route | None, span: RequestSpan | None) -> None:
@@ -119,6 +123,12 @@ class RequestCycle:
         self.samples = 1  # samples it asks for (`n`)
         self.usage_asked = False  # tether asked for the stream's usage: the client did not
         self.model: str | None = None  # the body's `model`, where tether read the body
+        self.id_in_header = False  # the client named the request in the request-ID header
+        # The client's ID as the engine would have written it into its answer, where that is
+        # not `state.client_request_id` (SGLang answers with a body `rid` over the header's).
+        self.echo_id: str | None = None
+        self.websocket = False  # it asks for a WebSocket session
+        self.tunnel: WebSocketPipe | None = None  # the session's pipe, once the engine took it
 
 
 async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.StreamResponse:
@@ -132,15 +142,13 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         if ctx.readiness.draining:
             raise ShuttingDownError()
         _refuse_unforwardable(request, ctx.engine)
-        client_request_id = _client_request_id(request, settings.request_id_header, ctx.ids)
+        websocket = websocket_asked(request)
+        header_request_id = _header_request_id(request, settings.request_id_header)
+        client_request_id = header_request_id or ctx.ids.mint()
         if settings.request_id_mode is RequestIdMode.UNIQUE:
             internal_request_id = ctx.ids.mint()
         elif ctx.registry.find(client_request_id):
-            raise DuplicateRequestIdError(
-                f"a request with the ID {client_request_id!r} is already in flight "
-                "(TETHER_REQUEST_ID_MODE=preserve passes IDs to the engine unchanged, so each "
-                "must be unique while it runs)"
-            )
+            raise DuplicateRequestIdError(_duplicate_message(client_request_id))
         else:
             internal_request_id = client_request_id
     except TetherError as error:
@@ -159,6 +167,8 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
     )
     span = ctx.tracer.start(request.method, state.route, request.headers) if ctx.tracer else None
     cycle = RequestCycle(state, ctx.engine.route(request.method, request.path), span)
+    cycle.id_in_header = header_request_id is not None
+    cycle.websocket = websocket
     ctx.registry.add(state)
     ctx.metrics.in_flight.value += 1
     try:
@@ -234,6 +244,8 @@ async def _forward(
     upstream = await _send(request, cycle, ctx)
     cycle.state.phase = Phase.WAITING
     response_head = await upstream.wait_head()
+    if response_head.status == 101:  # only ever accepted for a WebSocket handshake
+        return await _relay_websocket(request, response_head, cycle, ctx)
     mapper = _id_mapper(response_head, cycle)
     tokens = TokenCounter(cycle.route.tokens if cycle.route is not None else TokenShape.NONE)
     usage = (
@@ -272,7 +284,10 @@ async def _send(
         max_json_body=settings.max_json_body,
         body_timeout=settings.client_body_timeout,
         ask_for_usage=ctx.usage.enabled,
+        keep_client_id=_preserving(cycle) and not cycle.id_in_header,
     )
+    if outgoing.client_id is not None:
+        _adopt_body_id(ctx, cycle, outgoing.client_id, headers)
     cycle.usage_asked = outgoing.usage_asked
     cycle.model = outgoing.model
     cycle.background = outgoing.background
@@ -281,6 +296,8 @@ async def _send(
     if cycle.span is not None:
         # The engine's own span (vLLM's llm_request) nests under tether's.
         headers.update(cycle.span.engine_headers())
+    if cycle.websocket:
+        headers.update(SWITCHING_HEADERS)
     body = outgoing.body
     content_length = None
     if isinstance(body, bytes):
@@ -294,7 +311,7 @@ async def _send(
         content_length=content_length,
         chunked=chunked,
     )
-    cycle.upstream = upstream = ctx.upstream.exchange(request.method)
+    cycle.upstream = upstream = ctx.upstream.exchange(request.method, upgrade=cycle.websocket)
     state.upstream_contacted = True
     await upstream.send(head, body, chunked=chunked)
     return upstream
@@ -311,9 +328,10 @@ def _id_mapper(head: ResponseHead, cycle: RequestCycle) -> IdMapper | None:
     if media_type not in _MAPPED_TYPES and not media_type.endswith("+json"):
         return None
     state = cycle.state
-    if state.internal_request_id == state.client_request_id:
+    echo_id = cycle.echo_id or state.client_request_id
+    if state.internal_request_id == echo_id:
         return None  # preserve mode: the engine already used the client's ID
-    return IdMapper(state.internal_request_id, json_escaped(state.client_request_id))
+    return IdMapper(state.internal_request_id, json_escaped(echo_id))
 
 
 async def _relay_whole(
@@ -378,6 +396,42 @@ async def _relay_stream(
     return response
 
 
+async def _relay_websocket(
+    request: web.BaseRequest, head: ResponseHead, cycle: RequestCycle, ctx: ProxyContext
+) -> web.StreamResponse:
+    """The engine accepted the WebSocket: its 101 goes to the client, then each connection
+    carries the other's bytes until one of them closes."""
+    assert cycle.upstream is not None
+    headers = client_response_headers(
+        head.headers,
+        client_request_id_header=ctx.settings.request_id_header,
+        client_request_id=cycle.state.client_request_id,
+        body_rewritten=False,
+    )
+    headers.update(SWITCHING_HEADERS)
+    response = web.StreamResponse(status=101, reason=head.reason, headers=headers)
+    response.force_close()  # the connection ends with the session
+    cycle.client_response = response
+    writer = await _to_client(response.prepare(request))
+    transport = request.transport
+    if writer is None or transport is None or transport.is_closing():
+        raise ClientGoneError("the client left before the session started")
+    cycle.tunnel = pipe = WebSocketPipe(cycle.upstream, transport, writer)
+    cycle.state.phase = Phase.STREAMING
+    ctx.metrics.websocket_sessions_open.value += 1
+    try:
+        cycle.upstream.attach(pipe)
+        # From here aiohttp hands the client's bytes to the pipe (those that came with the
+        # handshake first), as it would to its own WebSocket reader.
+        request.protocol.set_parser(pipe)  # type: ignore[arg-type]
+        await cycle.upstream.wait_end()
+    finally:
+        ctx.metrics.websocket_sessions_open.value -= 1
+        pipe.close()
+    transport.close()  # the engine closed the session: the client's side goes after its bytes
+    return response
+
+
 def _is_sse(head: ResponseHead) -> bool:
     return head.headers.get(_CONTENT_TYPE, "").startswith("text/event-stream")
 
@@ -416,14 +470,57 @@ def _refuse_unforwardable(request: web.BaseRequest, engine: EngineProfile) -> No
         )
 
 
-def _client_request_id(request: web.BaseRequest, header: str, ids: IdMinter) -> str:
+def _header_request_id(request: web.BaseRequest, header: str) -> str | None:
     value = request.headers.get(header)
     if value is None:
-        return ids.mint()
+        return None
     try:
         return check_client_request_id(value)
     except InvalidClientRequestId as exc:
         raise InvalidRequestIdError(f"the {header} header {exc}") from None
+
+
+def _duplicate_message(request_id: str) -> str:
+    return (
+        f"a request with the ID {request_id!r} is already in flight "
+        "(TETHER_REQUEST_ID_MODE=preserve passes IDs to the engine unchanged, so each "
+        "must be unique while it runs)"
+    )
+
+
+def _preserving(cycle: RequestCycle) -> bool:
+    """Whether the engine gets the client's own IDs (TETHER_REQUEST_ID_MODE=preserve)."""
+    return cycle.state.internal_request_id == cycle.state.client_request_id
+
+
+def _adopt_body_id(
+    ctx: ProxyContext, cycle: RequestCycle, body_id: str, headers: CIMultiDict[str]
+) -> None:
+    """A client that named its request in the body (vLLM's `request_id`, SGLang's `rid`)
+    gets that name back wherever the engine would have written it into its answer: without
+    a header ID it is the request's client ID (logs, the response header, the admin API; in
+    preserve mode the engine's ID too), with one it is the engine's choice which wins."""
+    state = cycle.state
+    if cycle.id_in_header:
+        if ctx.engine.body_id_beats_header:
+            cycle.echo_id = body_id
+        return
+    preserving = _preserving(cycle)
+    try:
+        check_client_request_id(body_id)
+    except InvalidClientRequestId as exc:
+        if preserving:  # the engine would be keyed by an ID tether cannot log or echo
+            raise InvalidRequestIdError(f"the body's request ID {exc}") from None
+        cycle.echo_id = body_id  # echoed in the body as the engine would; tether's ID elsewhere
+        return
+    if preserving and ctx.registry.find(body_id):
+        raise DuplicateRequestIdError(_duplicate_message(body_id))
+    internal_request_id = body_id if preserving else state.internal_request_id
+    ctx.registry.rename(state, body_id, internal_request_id)
+    if preserving:
+        for name in ctx.engine.id_headers:
+            headers[name] = body_id
+    bind_request_ids(body_id, internal_request_id)
 
 
 def _response_started(cycle: RequestCycle) -> web.StreamResponse | None:
@@ -477,6 +574,13 @@ def _stop_upstream(
             cycle.span.set(disconnect_phase=state.phase.value)
     upstream = cycle.upstream
     if upstream is None:
+        return
+    if cycle.tunnel is not None:
+        # A WebSocket session has no ID an engine API names; its connection closing is
+        # what ends it at the engine (vLLM's session cleanup then aborts its request).
+        if not upstream.ended:
+            ctx.metrics.upstream_cancels.inc(outcome.value)
+        upstream.close()
         return
     relay = cycle.relay
     if relay is None:
@@ -617,6 +721,10 @@ def _finish(
         else:
             tokens = relay.tokens_relayed
         state.bytes_out = max(state.bytes_out, relay.bytes_out)
+    tunnel = cycle.tunnel
+    if tunnel is not None:
+        state.bytes_out = tunnel.bytes_to_client
+        ctx.metrics.record_websocket_session(outcome.value)
     ctx.metrics.record_request(
         state.route,
         status,
@@ -650,6 +758,8 @@ def _finish(
             "tokens": tokens,
             "error": error.message if error is not None else None,
         }
+        if tunnel is not None:
+            line["websocket_bytes_in"] = tunnel.bytes_from_client
 
     def report(tokens_after_disconnect: int | None) -> None:
         """What the engine says the request used, once known: now, or once tether stopped

@@ -39,6 +39,7 @@ GENERATION_ROUTES = frozenset(
         "/generate",
         "/generate_stream",
         "/invocations",
+        "/v1/realtime",  # WebSocket sessions
     }
 )
 KNOWN_ROUTES = GENERATION_ROUTES | frozenset(
@@ -229,6 +230,17 @@ class Metrics:
         self.upstream_ready = Gauge(
             "tether_upstream_ready", "1 while the engine's health check passes."
         )
+        self.websocket_sessions_open = Gauge(
+            "tether_websocket_sessions_open", "WebSocket sessions being relayed now."
+        )
+        self.websocket_sessions = Counter(
+            "tether_websocket_sessions",
+            "WebSocket sessions relayed, by how they ended: completed (the engine closed "
+            "it), client_disconnected (the client's connection closed first; tether then "
+            "closed the engine's), timed_out, shutdown_aborted, admin_aborted, "
+            "upstream_failed.",
+            ("outcome",),
+        )
         self._all: tuple[Counter | Gauge | Histogram, ...] = (
             self.requests,
             self.outcomes,
@@ -247,6 +259,8 @@ class Metrics:
             self.bytes_streamed,
             self.sse_events,
             self.upstream_ready,
+            self.websocket_sessions_open,
+            self.websocket_sessions,
         )
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)
@@ -275,6 +289,9 @@ class Metrics:
             self.sse_events.inc(amount=sse_events)
         if tokens:
             self.tokens_relayed.inc(route, amount=tokens)
+
+    def record_websocket_session(self, outcome: str) -> None:
+        self.websocket_sessions.inc(outcome)
 
     def record_rejection(self, route: str, status: int) -> None:
         """A request refused before anything was forwarded (no duration to speak of)."""

@@ -110,6 +110,13 @@ class Registry:
         if not self._by_internal:
             self._empty.set()
 
+    def rename(self, state: RequestState, client_request_id: str, internal_request_id: str) -> None:
+        """Give an in-flight request the IDs its body named (read after it was added)."""
+        self.remove(state)
+        state.client_request_id = client_request_id
+        state.internal_request_id = internal_request_id
+        self.add(state)
+
     async def wait_empty(self) -> None:
         """Until no request is in flight."""
         await self._empty.wait()

@@ -54,6 +54,9 @@ class OutgoingBody:
     usage_asked: bool = False
     # The body's `model`, where tether read the body.
     model: str | None = None
+    # The ID the client named the request by in the body (vLLM's `request_id`, SGLang's
+    # `rid`), which the engine would have written into its answer.
+    client_id: str | None = None
 
     @property
     def streamed(self) -> bool:
@@ -69,18 +72,21 @@ async def outgoing_body(
     max_json_body: int,
     body_timeout: float,
     ask_for_usage: bool,
+    keep_client_id: bool = False,
 ) -> OutgoingBody:
     """The body to send upstream for `request` on `route`; `forwarded` are the headers the
     engine will get (its Content-Type, not one a `Connection` token removed). With
-    `ask_for_usage`, a stream on a route that reports usage when asked is asked to."""
+    `ask_for_usage`, a stream on a route that reports usage when asked is asked to; with
+    `keep_client_id`, an ID the client named in the body goes to the engine unchanged."""
     if not request.body_exists:
         return OutgoingBody(None)
     fields = route.body_fields if route is not None else ()
+    id_field = route.client_id_field if route is not None else None
     usage = ask_for_usage and route is not None and route.reports_usage_when_asked
-    # Read whole where tether writes its ID in, or must learn from the body which engine
-    # requests it makes (a batch, n > 1) even when the ID goes in a header.
+    # Read whole where tether writes its ID in or reads the client's, or must learn from the
+    # body which engine requests it makes (a batch, n > 1) even when the ID goes in a header.
     must_read = route is not None and bool(
-        fields or route.fan_out or route.samples_unnamed or usage
+        fields or id_field or route.fan_out or route.samples_unnamed or usage
     )
     if not must_read:
         await _send_continue_if_asked(request)
@@ -98,10 +104,16 @@ async def outgoing_body(
     body = start + await _read_whole(request, max_json_body - len(start), body_timeout)
     assert route is not None
     maybe = [field for field in fields if field.always or _mentions(body, field)]
+    names_id = id_field is not None and _mentions(body, id_field)
     # No literal "stream" in it: not a stream (a spelling that hides it only loses usage).
     usage = usage and _STREAM in body
     if not (
-        maybe or usage or route.may_run_in_background or route.fan_out or route.samples_unnamed
+        maybe
+        or names_id
+        or usage
+        or route.may_run_in_background
+        or route.fan_out
+        or route.samples_unnamed
     ):
         return OutgoingBody(body)
     try:
@@ -118,21 +130,25 @@ async def outgoing_body(
         batch=_batch(document, route.fan_out),
         samples=n if isinstance(n, int) and n > 1 else 1,
         model=model if isinstance(model, str) else None,
+        client_id=_named_id(document, id_field.name) if names_id and id_field else None,
     )
+    kept = id_field if keep_client_id and outgoing.client_id is not None else None
     values: dict[str, Any] = {
         field.name: field.value.format(id=internal_request_id)
         for field in maybe
-        if field.always or _holds(document, field.name)
+        if (field.always or _holds(document, field.name)) and field is not kept
     }
     if usage and document.get("stream") is True:
         options = document.get("stream_options")
         if options is None:
             values["stream_options"], outgoing.usage_asked = _INCLUDE_USAGE, True
         elif not (isinstance(options, dict) and options.get("include_usage") is True):
-            values["stream_options"] = {
-                **(options if isinstance(options, dict) else {}),
-                "include_usage": True,
-            }
+            merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            if merged.get("continuous_usage_stats"):
+                # Only in effect with include_usage: unasked, it would put usage in every
+                # chunk, where the client (straight to the engine) gets none.
+                merged["continuous_usage_stats"] = False
+            values["stream_options"] = merged
             outgoing.usage_asked = True
     if values:
         outgoing.body = document.with_members(values)
@@ -154,6 +170,15 @@ def _holds(document: JsonObject, name: str) -> bool:
         return name in document
     value = document.get(outer)
     return isinstance(value, dict) and inner in value
+
+
+def _named_id(document: JsonObject, name: str) -> str | None:
+    """The non-empty string at field `name` (dotted for a field inside an object field)."""
+    outer, _, inner = name.partition(".")
+    value = document.get(outer)
+    if inner:
+        value = value.get(inner) if isinstance(value, dict) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _batch(document: JsonObject, fields: tuple[str, ...]) -> int | None:

@@ -25,21 +25,33 @@ log = structlog.get_logger("tether.runner")
 # once must not meet resets (aiohttp's default is 128, and listening again with it would
 # shrink the queue).
 LISTEN_BACKLOG = 4096
+# Unanswered keepalive probes before a silent client counts as gone.
+_KEEPALIVE_PROBES = 3
 # How long cancelled handlers get to hand their aborts over, once the grace period is over.
 _CANCEL_SETTLE_SECONDS = 5.0
 
 
 def listening_socket(host: str, port: int, keepalive_idle: int) -> socket.socket:
     """A listening socket whose accepted connections inherit TCP keepalive settings (Linux),
-    so a client that vanished without FIN or RST is noticed within about a minute."""
+    so a client that vanished without FIN or RST is noticed within about a minute: by the
+    probes while nothing is sent to it, and by TCP_USER_TIMEOUT (the same time) while its
+    stream or WebSocket session is, where keepalive never probes and retransmissions
+    would go on for a quarter of an hour. (nginx's `send_timeout` also gives a client
+    that accepts nothing 60 s.)"""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if hasattr(socket, "TCP_KEEPIDLE"):
+        interval = max(1, keepalive_idle // 3)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, keepalive_idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, keepalive_idle // 3))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, _KEEPALIVE_PROBES)
+        sock.setsockopt(
+            socket.IPPROTO_TCP,
+            socket.TCP_USER_TIMEOUT,
+            (keepalive_idle + _KEEPALIVE_PROBES * interval) * 1000,
+        )
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(LISTEN_BACKLOG)

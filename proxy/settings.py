@@ -195,7 +195,8 @@ class Settings(BaseSettings):
         30,
         ge=1,
         description="Seconds of client silence before TCP keepalive probes look for a "
-        "vanished peer.",
+        "vanished peer; one that answers no probe, or acknowledges none of a stream's data, "
+        "for this plus 3 probe intervals (idle/3 each; 60 s by default) is gone.",
     )
     fleet_dns: str | None = Field(
         None,

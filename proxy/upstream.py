@@ -96,9 +96,10 @@ class UpstreamClient:
         """Pooled connections to the engine waiting for a request."""
         return self._pool.idle_connections
 
-    def exchange(self, method: str) -> UpstreamExchange:
-        """A new exchange for one client request; `send` it with `request_head`."""
-        return UpstreamExchange(self._pool, method)
+    def exchange(self, method: str, *, upgrade: bool = False) -> UpstreamExchange:
+        """A new exchange for one client request (`upgrade`: a WebSocket handshake); `send`
+        it with `request_head`."""
+        return UpstreamExchange(self._pool, method, upgrade=upgrade)
 
     def request_head(
         self,

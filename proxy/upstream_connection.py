@@ -3,10 +3,12 @@
 A connection carries one exchange at a time and moves through these states:
 
     IDLE ──begin──▶ SENDING ──request_written──▶ AWAITING_HEAD ──final head──▶ READING_BODY
-                       │                                                          │
+                       │                               │                          │
                        └──────── final head (an early answer) ───────────────────▶│
-                                                                                  ▼
+                                                       │                          ▼
                          DONE_REUSABLE (back to the pool: IDLE)  or  DONE_CLOSING ──▶ CLOSED
+                                                       │
+                                   101, asked for ─────┴──▶ UPGRADED ──▶ CLOSED
 
 Any state ends in CLOSED when the transport goes, a reply is not valid HTTP/1.1, or tether
 lets go of the exchange. Which of the two DONE states an ended response leads to is decided
@@ -26,6 +28,11 @@ Framing is llhttp's alone: it frames by the last `Transfer-Encoding` coding, rej
 one way and a client another (a `Transfer-Encoding` that is not exactly one `chunked`, as
 nginx does) and reads no length or coding a second time; a body ends at the connection's
 close only where its head had neither field. Trailer fields are dropped (nginx does too).
+
+A `101 Switching Protocols` is accepted only from an exchange that asked for a WebSocket
+(`begin(upgrade=True)`) and only with `Upgrade: websocket`: from then on the connection is a
+byte pipe both ways (nothing is parsed, it is never reused) until either side closes it.
+Anywhere else a 101 is a protocol error, as before.
 
 No socket is needed to drive it: `connection_made` with any transport-like object, then
 `data_received` and `connection_lost`, is the whole interface to the network.
@@ -63,7 +70,12 @@ class ConnectionState(Enum):
     READING_BODY = "reading_body"
     DONE_REUSABLE = "done_reusable"
     DONE_CLOSING = "done_closing"
+    UPGRADED = "upgraded"  # a WebSocket: bytes both ways, unparsed, until it closes
     CLOSED = "closed"
+
+
+# Where request bytes may still go out: the request itself, or a WebSocket's frames.
+_WRITABLE = frozenset({ConnectionState.SENDING, ConnectionState.UPGRADED})
 
 
 class ResponseHead:
@@ -120,6 +132,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_reuse_forbidden",
         "_trailers",
         "_unparsed_head",
+        "_upgrade_asked",
         "_write_paused",
         "idle_since",
         "received",
@@ -153,6 +166,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.received = 0  # bytes of the current exchange's response so far
         self._head_size = self._unparsed_head = 0
         self._head_only = False
+        self._upgrade_asked = False
         # The whole request went to the socket before the engine's final head arrived: an
         # early answer leaves it False for good (sending stops at the head).
         self._request_complete = False
@@ -174,14 +188,17 @@ class UpstreamConnection(asyncio.Protocol):
         body_receiver: Callable[[bytes], None],
         *,
         head_only: bool,
+        upgrade: bool = False,
     ) -> None:
         """IDLE → SENDING: carry `listener`'s exchange, its response body going to
-        `body_receiver` one call per read. `head_only` for HEAD requests."""
+        `body_receiver` one call per read. `head_only` for HEAD requests; `upgrade` for a
+        request asking for a WebSocket (a 101 then makes the connection its pipe)."""
         assert self.state is ConnectionState.IDLE and self._listener is None
         self._reset_exchange()
         self._listener = listener
         self._deliver = body_receiver
         self._head_only = head_only
+        self._upgrade_asked = upgrade
         self.state = ConnectionState.SENDING
 
     def deliver_body_to(self, body_receiver: Callable[[bytes], None]) -> None:
@@ -201,8 +218,17 @@ class UpstreamConnection(asyncio.Protocol):
         return self.state is ConnectionState.SENDING
 
     def write(self, data: bytes) -> None:
-        if self.state is ConnectionState.SENDING and self.transport is not None:
+        if self.transport is not None and self.state in _WRITABLE:
             self.transport.write(data)
+
+    @property
+    def upgraded(self) -> bool:
+        return self.state is ConnectionState.UPGRADED
+
+    @property
+    def writing_paused(self) -> bool:
+        """The engine's socket buffer is full: it reads slower than tether writes."""
+        return self._write_paused
 
     def request_written(self) -> None:
         """SENDING → AWAITING_HEAD: the last byte of the request went to the socket."""
@@ -248,6 +274,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.state is ConnectionState.UPGRADED:
+            self._deliver(data)  # the WebSocket's bytes, as they came
+            return
         if self._listener is None:
             # Bytes nobody asked for (on an idle connection, or after tether let go of a
             # response): this connection can no longer be trusted for a new request.
@@ -256,7 +285,13 @@ class UpstreamConnection(asyncio.Protocol):
         self.received += len(data)
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as upgrade:
+            if self.upgraded:  # (the head's callback just made it so)
+                # What followed the 101 head in the same read is the WebSocket's first bytes.
+                rest = data[upgrade.args[0] :]
+                if rest:
+                    self._deliver(rest)
+                return
             self._deliver_body()
             self._fail(UpstreamProtocolError("the engine switched protocols unasked"))
             return
@@ -291,6 +326,7 @@ class UpstreamConnection(asyncio.Protocol):
                 self._fail(_head_too_large())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        upgraded = self.state is ConnectionState.UPGRADED
         self.state = ConnectionState.CLOSED
         self.transport = None
         self._on_closed(self)
@@ -301,7 +337,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._deliver = _nowhere
         if listener is None:
             return
-        if self._final_head and self._body_ends_at_close:
+        if upgraded or (self._final_head and self._body_ends_at_close):
             listener.on_end()  # the body was delimited by the close
         elif self._final_head:
             listener.on_error(UpstreamBrokenError("the engine's response broke off"))
@@ -344,6 +380,13 @@ class UpstreamConnection(asyncio.Protocol):
         headers, self._headers = CIMultiDict(self._headers), []
         reason, self._reason = self._reason.decode("latin-1"), b""
         self._head_size = self._unparsed_head = 0
+        if status == 101 and self._upgrade_asked:
+            _check_upgrade(headers)
+            self._final_head = True
+            self.state = ConnectionState.UPGRADED
+            if self._listener is not None:
+                self._listener.on_head(ResponseHead(status, reason, headers))
+            return
         if status < 200:  # 1xx: informational, the real head follows
             return
         _check_framing(headers)
@@ -429,6 +472,15 @@ def _check_framing(headers: CIMultiDict[str]) -> None:
         raise UpstreamProtocolError(
             "the engine's reply has a Transfer-Encoding other than chunked: "
             + ", ".join(repr(coding) for coding in codings)
+        )
+
+
+def _check_upgrade(headers: CIMultiDict[str]) -> None:
+    """A 101 must switch to what was asked for (RFC 6455 §4.1: `Upgrade: websocket`)."""
+    if headers.get("Upgrade", "").strip().lower() != "websocket":
+        raise UpstreamProtocolError(
+            "the engine switched protocols to something other than a WebSocket: "
+            + repr(headers.get("Upgrade", ""))
         )
 
 

@@ -59,6 +59,7 @@ class UpstreamExchange:
         "_replayable",
         "_retried",
         "_sink",
+        "_upgrade",
         "_watch_silence",
         "client_gone",
         "complete",
@@ -71,10 +72,13 @@ class UpstreamExchange:
         "sent_at",
     )
 
-    def __init__(self, pool: UpstreamPool, method: str) -> None:
+    def __init__(self, pool: UpstreamPool, method: str, *, upgrade: bool = False) -> None:
         self._pool = pool
         self._loop = pool.loop
         self._head_only = method == "HEAD"
+        # It asks for a WebSocket: an engine's 101 turns the connection into its pipe, whose
+        # "body" is the engine's bytes and which ends when either side closes it.
+        self._upgrade = upgrade
         self._replayable = method in _IDEMPOTENT_METHODS
         self._connection: UpstreamConnection | None = None
         self._replay: tuple[bytes, bytes | None] | None = None  # the request, if resendable
@@ -146,7 +150,7 @@ class UpstreamExchange:
 
     def _attach_connection(self, connection: UpstreamConnection) -> None:
         self._connection = connection
-        connection.begin(self, self._on_body, head_only=self._head_only)
+        connection.begin(self, self._on_body, head_only=self._head_only, upgrade=self._upgrade)
         self.last_data_at = self._loop.time()
 
     async def _resend(self) -> None:
@@ -249,6 +253,22 @@ class UpstreamExchange:
     def pause_reading(self) -> None:
         if self._connection is not None:
             self._connection.pause_reading()
+
+    # --- an upgraded connection's other direction ---------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        """Bytes for the engine on a connection its 101 upgraded (the client's frames)."""
+        if self._connection is not None:
+            self._connection.write(data)
+
+    @property
+    def writing_paused(self) -> bool:
+        return self._connection is not None and self._connection.writing_paused
+
+    async def drain(self) -> None:
+        """Until the engine has read enough of what was written to it."""
+        if self._connection is not None:
+            await self._connection.drain()
 
     def resume_reading(self) -> None:
         if self._connection is not None:

@@ -21,6 +21,8 @@ async def test_accepted_connections_inherit_keepalive_and_nodelay() -> None:
             assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 17
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+            # Unacknowledged data (a stream to a vanished client) gives up as soon.
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 32_000
             assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         client.close()

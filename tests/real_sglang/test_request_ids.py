@@ -42,14 +42,17 @@ def _streamed_chunks(exchange: RawExchange) -> list[dict[str, object]]:
 @pytest.mark.parametrize("path", ALL_ROUTES)
 @pytest.mark.parametrize("own_rid", [False, True], ids=["no-body-rid", "client-body-rid"])
 def test_sglang_receives_tethers_rid(stack: Stack, path: str, own_rid: bool) -> None:
-    """SGLang gets tether's 32-hex rid in the body, whether or not the client sent its own."""
+    """SGLang gets tether's 32-hex rid in the body, whether or not the client sent its own;
+    the answer's `id` is what SGLang alone would answer: the client's own rid where it sent
+    one (SGLang does not read X-Request-Id), else its X-Request-Id."""
     client_request_id = f"ids-{_slug(path)}-{'own' if own_rid else 'none'}"
     extra = {"rid": CLIENTS_RID} if own_rid else {}
     sglang_mark, tether_mark = stack.sglang.log.mark(), stack.tether.log.mark()
     with via_tether(stack, client_request_id, path, request_for(path, 8, False, **extra)) as ex:
         assert ex.read_head() == 200
         answer = json.loads(ex.body())
-    assert response_id(answer) == client_request_id
+        assert ex.headers["x-request-id"] == client_request_id
+    assert response_id(answer) == (CLIENTS_RID if own_rid else client_request_id)
     (internal_request_id,) = internal_id_of(stack.tether, tether_mark, client_request_id)
     assert INTERNAL_ID.match(internal_request_id)
     assert received_rids(stack, sglang_mark) == [internal_request_id]
@@ -60,7 +63,8 @@ def test_sglang_receives_tethers_rid(stack: Stack, path: str, own_rid: bool) -> 
 @on_default
 def test_body_without_content_type_gets_tethers_rid(stack: Stack) -> None:
     """A /generate body without Content-Type reaches SGLang with tether's rid in place of the
-    client's: SGLang refuses it (400) and echoes the body it got, tether maps its rid back."""
+    client's: SGLang refuses it (400) and echoes the body it got, and tether maps its rid
+    back to the client's own, so the echo reads as SGLang alone answers it."""
     payload = request_for(GENERATE_PATH, 8, False, rid=CLIENTS_RID)
     with direct(stack, GENERATE_PATH, payload, content_type=None) as alone:
         assert alone.read_head() == 400
@@ -69,10 +73,11 @@ def test_body_without_content_type_gets_tethers_rid(stack: Stack) -> None:
     with via_tether(stack, "untyped-1", GENERATE_PATH, payload, content_type=None) as exchange:
         assert exchange.read_head() == 400
         echo = exchange.body().decode()
-    # The client's ID is in the echo only as tether's rid mapped back (it never went upstream).
-    assert "untyped-1" in echo and CLIENTS_RID not in echo, echo[:400]
     (internal_request_id,) = internal_id_of(stack.tether, tether_mark, "untyped-1")
     assert INTERNAL_ID.match(internal_request_id)
+    # The client's rid is in the echo only as tether's rid mapped back (it never went
+    # upstream: SGLang's log has tether's alone).
+    assert CLIENTS_RID in echo and internal_request_id not in echo, echo[:400]
 
 
 @on_default
@@ -108,7 +113,8 @@ def test_client_id_in_every_chunk_body_and_header(stack: Stack, path: str, strea
 @on_default
 def test_duplicate_client_ids_are_distinct_at_sglang(stack: Stack) -> None:
     """Three concurrent requests with one client ID and one body rid all succeed through
-    tether, each under its own rid at SGLang."""
+    tether, each under its own rid at SGLang, each answered with that rid as SGLang alone
+    answers (had they not collided there)."""
     mark = stack.sglang.log.mark()
     payload = request_for(CHAT_PATH, 200, True, rid="shared-rid")
     exchanges = [via_tether(stack, "dup-client", CHAT_PATH, payload) for _ in range(3)]
@@ -122,7 +128,7 @@ def test_duplicate_client_ids_are_distinct_at_sglang(stack: Stack) -> None:
     rids = received_rids(stack, mark)
     assert len(rids) == 3 == len(set(rids)) and all(INTERNAL_ID.match(rid) for rid in rids), rids
     ids = {response_id(chunk) for chunks in first + rest for chunk in chunks}
-    assert ids == {"dup-client"}
+    assert ids == {"shared-rid"}
 
 
 @on_default

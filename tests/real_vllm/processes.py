@@ -10,22 +10,26 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import pytest
 
 from ..support.net import free_port
+from ..support.smg import smg_command
 from .measurements import Measurements
 from .observe import LogFile, MetricsSnapshot, http_get, http_post_json, scrape, wait_until
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = REPO / "tests" / "engines" / "vllm_cpu.sh"
+REALTIME_SETUP_SCRIPT = REPO / "tests" / "engines" / "vllm_realtime.sh"
 HERE = pathlib.Path(__file__).resolve().parent
 MODEL_NAME = "tiny"
 VLLM_READY_TIMEOUT = 240.0
 TETHER_READY_TIMEOUT = 30.0
+ROUTER_READY_TIMEOUT = 30.0
 ADMIN_TOKEN = "real-vllm-suite-token"
 
 
@@ -51,6 +55,31 @@ def install_engine() -> EngineInstall:
 
 
 @dataclass(frozen=True)
+class RealtimeInstall:
+    """What tests/engines/vllm_realtime.sh added for `/v1/realtime`: the tiny Qwen3-ASR
+    realtime model, and the directory (torchvision) its vLLM needs on PYTHONPATH."""
+
+    model: pathlib.Path
+    pythonpath: pathlib.Path
+
+
+def install_realtime() -> RealtimeInstall:
+    """Run the (idempotent, cached) realtime setup script and read its last line."""
+    result = subprocess.run(
+        ["bash", str(REALTIME_SETUP_SCRIPT)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    values = dict(item.split("=", 1) for item in result.stdout.strip().splitlines()[-1].split())
+    return RealtimeInstall(
+        pathlib.Path(values["VLLM_REALTIME_MODEL"]),
+        pathlib.Path(values["VLLM_REALTIME_PYTHONPATH"]),
+    )
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """One way of running vLLM; each is started once per session."""
 
@@ -63,6 +92,11 @@ class VllmConfig:
     # `--api-server-count`: API-server processes on the one port (vLLM's default for a
     # data-parallel pod is one per rank); each holds only the requests it received.
     api_servers: int = 1
+    # Further `vllm serve` flags.
+    flags: tuple[str, ...] = ()
+    # Serve the tiny Qwen3-ASR realtime model (tests/engines/vllm_realtime.sh) instead of
+    # the tiny Llama: vLLM then serves `/v1/realtime` (and no chat template).
+    realtime: bool = False
 
 
 DEFAULT = VllmConfig("default")
@@ -73,6 +107,27 @@ DEV_MODE_WITH_MIDDLEWARE = VllmConfig(
     "dev-mode+middleware", dev_mode=True, middleware="user_middleware.tag_responses"
 )
 DEV_MODE_TWO_API_SERVERS = VllmConfig("dev-mode+2-api-servers", dev_mode=True, api_servers=2)
+# What test_transparency.py compares tether against: dev mode (the set-up tether documents),
+# `X-Request-Id` echoed by vLLM itself, `tool_choice: "auto"`, which needs a tool-call parser
+# (`pythonic` needs no special token, and the tiny model's tokenizer has none), and compact
+# structured output (random weights otherwise fill a JSON answer with whitespace, so a forced
+# tool call never completes). A configuration of its own: with a parser set, vLLM runs it over
+# every chat answer, tools or not, which the other configurations' streams must not depend on.
+TRANSPARENCY = VllmConfig(
+    "transparency",
+    dev_mode=True,
+    flags=(
+        "--enable-request-id-headers",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "pythonic",
+        "--structured-outputs-config",
+        '{"backend": "guidance", "disable_any_whitespace": true}',
+    ),
+)
+# What test_realtime.py drives: vLLM's Realtime API (`/v1/realtime`, WebSocket), which vLLM
+# registers only for a model with the realtime task; the default flags otherwise.
+REALTIME = VllmConfig("realtime", realtime=True)
 CONFIGS = {
     config.name: config
     for config in (
@@ -81,6 +136,8 @@ CONFIGS = {
         DEV_MODE,
         DEV_MODE_WITH_MIDDLEWARE,
         DEV_MODE_TWO_API_SERVERS,
+        TRANSPARENCY,
+        REALTIME,
     )
 }
 
@@ -179,6 +236,11 @@ def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path
         # timestamp has whole seconds): `t=1796114396.452 (APIServer pid=…) INFO …`.
         "VLLM_LOGGING_PREFIX": "t=%(created).3f ",
     }
+    model = install.model
+    if config.realtime:
+        realtime = install_realtime()
+        model = realtime.model
+        env["PYTHONPATH"] = os.pathsep.join((str(HERE), str(realtime.pythonpath)))
     for variable in ("VLLM_SERVER_DEV_MODE", "VLLM_ENABLE_RESPONSES_API_STORE"):
         env.pop(variable, None)
     if config.dev_mode:
@@ -189,7 +251,7 @@ def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path
         *on_core(1),
         str(install.vllm),
         "serve",
-        str(install.model),
+        str(model),
         "--served-model-name",
         MODEL_NAME,
         "--host",
@@ -211,6 +273,7 @@ def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path
         argv += ["--middleware", config.middleware]
     if config.api_servers > 1:
         argv += ["--api-server-count", str(config.api_servers)]
+    argv += config.flags
     process = spawn(argv, env, log_dir / f"vllm-{config.name}.log")
     ready = wait_ready(process, f"http://127.0.0.1:{port}/health", VLLM_READY_TIMEOUT, "vLLM")
     return VllmServer(config, port, process, ready)
@@ -308,6 +371,33 @@ def start_tether(
         process, f"http://127.0.0.1:{admin_port}/readyz", TETHER_READY_TIMEOUT, "tether"
     )
     return Tether(port, admin_port, process, ready)
+
+
+@dataclass
+class Router:
+    """smg (SGLang's model gateway) routing to one worker: tether, or an engine straight."""
+
+    port: int
+    worker_url: str
+    process: Process
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def router_in_front_of(worker_url: str, log_path: pathlib.Path, *extra: str) -> Iterator[Router]:
+    """smg on core 0 routing to `worker_url` (further `smg launch` options in `extra`), once
+    its `/readiness` says the worker is registered and healthy; stopped on exit."""
+    port, metrics_port = free_port(), free_port()
+    argv = [*on_core(0), *smg_command(worker_url, port, metrics_port, extra)]
+    process = spawn(argv, dict(os.environ), log_path)
+    try:
+        wait_ready(process, f"http://127.0.0.1:{port}/readiness", ROUTER_READY_TIMEOUT, "smg")
+        yield Router(port, worker_url, process)
+    finally:
+        process.stop()
 
 
 class EngineStack(Protocol):

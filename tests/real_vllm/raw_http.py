@@ -158,3 +158,25 @@ class RawExchange:
 
     def __exit__(self, *exc: object) -> None:
         self._sock.close()
+
+
+def streams_side_by_side(
+    port: int, path: str, payload: Any, headers: dict[str, str], opening: int
+) -> list[list[str]]:
+    """Two streams of `payload` at once (each has sent `opening` chunks before either is read
+    on), read to `[DONE]`: for each, the X-Request-Id it was answered with, then every
+    chunk's `id`."""
+    exchanges = [RawExchange(port, path, payload, headers) for _ in range(2)]
+    answers = []
+    try:
+        assert [exchange.read_head() for exchange in exchanges] == [200, 200]
+        first = [exchange.chunks(opening) for exchange in exchanges]  # both running at once
+        for exchange, opened in zip(exchanges, first, strict=True):
+            rest = list(exchange.events())
+            assert rest[-1] == "[DONE]"
+            ids = [chunk["id"] for chunk in opened] + [json.loads(e)["id"] for e in rest[:-1]]
+            answers.append([exchange.headers["x-request-id"], *ids])
+    finally:
+        for exchange in exchanges:
+            exchange.close()
+    return answers

@@ -18,6 +18,7 @@ from .processes import (
     DEV_MODE,
     DEV_MODE_WITH_MIDDLEWARE,
     MODEL_NAME,
+    TRANSPARENCY,
     WITH_MIDDLEWARE,
     Stack,
 )
@@ -46,6 +47,7 @@ MIDDLEWARE_LAG = pytest.mark.xfail(
 on_default = pytest.mark.parametrize("stack", [DEFAULT.name], indirect=True)
 on_dev_mode = pytest.mark.parametrize("stack", [DEV_MODE.name], indirect=True)
 on_middleware = pytest.mark.parametrize("stack", [WITH_MIDDLEWARE.name], indirect=True)
+on_transparency = pytest.mark.parametrize("stack", [TRANSPARENCY.name], indirect=True)
 on_default_and_dev = pytest.mark.parametrize("stack", [DEFAULT.name, DEV_MODE.name], indirect=True)
 on_all = pytest.mark.parametrize(
     "stack",
@@ -242,6 +244,17 @@ def wait_engine_abort(stack: Stack, mark: int, internal_request_id: str) -> str:
 def generated_tokens(stack: Stack) -> float:
     """vLLM's `vllm:generation_tokens_total` (it counts aborted requests' tokens too)."""
     return vllm_metrics(stack).value("vllm:generation_tokens_total")
+
+
+def generated_when_settled(stack: Stack) -> float:
+    """The same once two reads a few steps apart agree: vLLM's counters lag its engine."""
+    previous = generated_tokens(stack)
+    while True:
+        time.sleep(0.03)
+        current = generated_tokens(stack)
+        if current == previous:
+            return current
+        previous = current
 
 
 def leave_stream(

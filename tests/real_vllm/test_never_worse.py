@@ -19,7 +19,7 @@ from .measurements import Measurements
 from .observe import wait_until
 from .processes import DEFAULT, DEV_MODE, DEV_MODE_TWO_API_SERVERS, WITH_MIDDLEWARE, Stack
 from .raw_http import RawExchange
-from .scenarios import CHAT_PATH, LONG, MIDDLEWARE_LAG, chat, vllm_metrics
+from .scenarios import CHAT_PATH, LONG, MIDDLEWARE_LAG, chat, generated_when_settled, vllm_metrics
 
 SEED = 19
 # A stop vLLM has not made by then is tether's failure to stop it, not a slow measurement.
@@ -46,17 +46,6 @@ class Departures:
 def _generated(stack: Stack) -> float:
     """vLLM's generated tokens (with several API-server processes, each counts its own)."""
     return vllm_metrics(stack).value("vllm:generation_tokens_total")
-
-
-def _generated_when_settled(stack: Stack) -> float:
-    """The same once two reads a few steps apart agree: its counters lag the engine."""
-    previous = _generated(stack)
-    while True:
-        time.sleep(0.03)
-        current = _generated(stack)
-        if current == previous:
-            return current
-        previous = current
 
 
 def _running(stack: Stack) -> float:
@@ -86,7 +75,7 @@ def _leave(
     closed_at = time.time()
     exchange.close()
     stopped = _stopped_at(stack, mark, f"chatcmpl-{engine_id}")
-    return stopped - closed_at, _generated_when_settled(stack) - before
+    return stopped - closed_at, generated_when_settled(stack) - before
 
 
 def _stopped_at(stack: Stack, mark: int, engine_id: str) -> float:

@@ -18,8 +18,15 @@ COMPLETIONS_PATH = "/v1/completions"
 
 
 def _normalised(stream: bytes) -> bytes:
-    """Equal up to what differs between two runs of one request: the creation time."""
-    return re.sub(rb'"created":\d+', b'"created":0', stream)
+    """Equal up to what differs between two runs of one request: the creation time, and with
+    `n > 1` how vLLM interleaves the choices' events (each choice's events keep their order
+    and their bytes)."""
+    events = re.sub(rb'"created":\d+', b'"created":0', stream).split(b"\n\n")
+    by_choice: dict[bytes, list[bytes]] = {}
+    for event in events:
+        index = re.search(rb'"choices":\[\{"index":(\d+)', event)
+        by_choice.setdefault(index.group(1) if index else b"", []).append(event)
+    return b"\n\n".join(event for key in sorted(by_choice) for event in by_choice[key])
 
 
 def _stream(port: int, path: str, body: dict[str, Any], request_id: str) -> bytes:

@@ -7,5 +7,6 @@
 - `net`: `free_port()`.
 - `processes`: start the real `tether` (and the fake engine) as subprocesses.
 - `raw_http`: an HTTP/1.1 client on a bare socket, for tests that decide when a client leaves.
+- `smg`: SGLang's model gateway as the real router in front of tether or an engine.
 - `waiting`: `poll_until(condition, timeout)` and `within(awaitable, timeout, what)`.
 """
