@@ -17,7 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import pytest
 
-from ..support.net import free_port
+from ..support.net import free_port, free_ports
 from ..support.smg import smg_command
 from .measurements import Measurements
 from .observe import LogFile, MetricsSnapshot, http_get, http_post_json, scrape, wait_until
@@ -352,7 +352,7 @@ def start_tether(
 ) -> Tether:
     """The `tether` console script on core 0, once its /readyz says ready; `settings` are
     further TETHER_* variables."""
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("TETHER_")},
         "TETHER_UPSTREAM_URL": upstream_url,
@@ -390,7 +390,7 @@ class Router:
 def router_in_front_of(worker_url: str, log_path: pathlib.Path, *extra: str) -> Iterator[Router]:
     """smg on core 0 routing to `worker_url` (further `smg launch` options in `extra`), once
     its `/readiness` says the worker is registered and healthy; stopped on exit."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     argv = [*on_core(0), *smg_command(worker_url, port, metrics_port, extra)]
     process = spawn(argv, dict(os.environ), log_path)
     try:

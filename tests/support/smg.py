@@ -20,7 +20,7 @@ from typing import IO
 
 import aiohttp
 
-from .net import free_port
+from .net import free_ports
 from .waiting import poll_until
 
 READY_TIMEOUT = 30.0
@@ -91,7 +91,7 @@ class Smg:
 async def smg_in_front_of(worker_url: str, *extra: str) -> AsyncIterator[Smg]:
     """smg routing to `worker_url` (further `smg launch` options in `extra`), yielded once its
     `/readiness` says it has a healthy worker; stopped on exit."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     with tempfile.TemporaryFile() as output:
         process = await asyncio.create_subprocess_exec(
             *smg_command(worker_url, port, metrics_port, extra),
