@@ -223,6 +223,18 @@ class StopRequest:
     on_stopped: Callable[[int | None], None] | None = None
 
 
+def _certainly_held(request: StopRequest, answered: float) -> bool:
+    """Whether the engine held the request when the abort call reached it, so that its
+    outcome says whether the front end misses: its response had begun, or it was sent long
+    enough before the client left (`registered_by`) plus the front end's lag, which shows in
+    how long the call took to answer. A loaded API server takes longer to register a request
+    than an abort call takes to overtake it (observed on one vLLM API server at the start of
+    a 100-client burst: calls answered in 20-60 ms matched requests not yet registered)."""
+    if request.upstream.first_body_at is not None:
+        return True
+    return request.registered_by + (answered - request.since) <= request.since
+
+
 class AbortTracker:
     """Owns every stop in progress."""
 
@@ -350,7 +362,7 @@ class AbortTracker:
             if (
                 outcome is _CallResult.ACCEPTED
                 and not at_once
-                and request.registered_by <= answered
+                and _certainly_held(request, answered)
             ):
                 repeated = repeats > 0 and self._ended_by_a_repeat(request, events_at_answer)
                 self._note_outcome(request, missed=repeated or not ended_in_time)
