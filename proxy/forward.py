@@ -64,7 +64,7 @@ from .tracing import RequestSpan
 from .upstream_connection import ResponseHead
 from .upstream_exchange import UpstreamExchange
 from .usage_events import UsageEventFilter
-from .websocket import SWITCHING_HEADERS, WebSocketPipe, websocket_asked
+from .websocket import SWITCHING_HEADERS, ClientFrames, websocket_asked
 
 log = structlog.get_logger("tether.request")
 
@@ -128,7 +128,9 @@ class RequestCycle:
         # not `state.client_request_id` (SGLang answers with a body `rid` over the header's).
         self.echo_id: str | None = None
         self.websocket = False  # it asks for a WebSocket session
-        self.tunnel: WebSocketPipe | None = None  # the session's pipe, once the engine took it
+        # The client's side of a WebSocket session, once the engine took it (the engine's
+        # side is `relay`).
+        self.tunnel: ClientFrames | None = None
 
 
 async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.StreamResponse:
@@ -416,18 +418,21 @@ async def _relay_websocket(
     transport = request.transport
     if writer is None or transport is None or transport.is_closing():
         raise ClientGoneError("the client left before the session started")
-    cycle.tunnel = pipe = WebSocketPipe(cycle.upstream, transport, writer)
+    # The engine's bytes go to the client as any response body does, unframed and uncounted.
+    cycle.relay = relay = ResponseRelay(cycle.upstream, TokenCounter(TokenShape.NONE), None)
+    relay.to_client(transport, writer, chunked=False, is_sse=False)
+    cycle.tunnel = frames = ClientFrames(cycle.upstream, transport)
     cycle.state.phase = Phase.STREAMING
     ctx.metrics.websocket_sessions_open.value += 1
     try:
-        cycle.upstream.attach(pipe)
-        # From here aiohttp hands the client's bytes to the pipe (those that came with the
+        cycle.upstream.attach(relay)
+        # From here aiohttp hands the client's bytes to `frames` (those that came with the
         # handshake first), as it would to its own WebSocket reader.
-        request.protocol.set_parser(pipe)  # type: ignore[arg-type]
+        request.protocol.set_parser(frames)  # type: ignore[arg-type]
         await cycle.upstream.wait_end()
     finally:
         ctx.metrics.websocket_sessions_open.value -= 1
-        pipe.close()
+        frames.close()
     transport.close()  # the engine closed the session: the client's side goes after its bytes
     return response
 
@@ -723,7 +728,6 @@ def _finish(
         state.bytes_out = max(state.bytes_out, relay.bytes_out)
     tunnel = cycle.tunnel
     if tunnel is not None:
-        state.bytes_out = tunnel.bytes_to_client
         ctx.metrics.record_websocket_session(outcome.value)
     ctx.metrics.record_request(
         state.route,

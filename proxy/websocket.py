@@ -1,5 +1,6 @@
 """WebSocket sessions (vLLM's Realtime API, `GET /v1/realtime`): which upgrade requests tether
-relays, and the pipe that carries a session's bytes both ways once the engine answered 101.
+relays, and the client's side of a session once the engine answered 101 (the engine's
+side is relayed like any response body, `ResponseRelay`).
 
 tether reads no frame: after the handshake the client's connection and the engine's carry
 each other's bytes unchanged (text, binary, ping, pong, close, any extension the two
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
 from multidict import istr
 
 from .errors import UnsupportedUpgradeError
@@ -60,59 +60,19 @@ def _names_upgrade(connection_fields: list[str]) -> bool:
     )
 
 
-class WebSocketPipe:
-    """The bytes of one session, both ways: the engine's into the client's socket (the
-    upstream connection hands each read to `feed`), the client's into the engine's (aiohttp's
-    server protocol hands each read to `feed_data`, as it would to its own WebSocket
-    reader). Whichever side reads slower pauses reading from the other until it drains."""
+class ClientFrames:
+    """The client's side of a session: aiohttp's server protocol hands each read to
+    `feed_data`, as it would to its own WebSocket reader, and the bytes go to the engine as
+    they came; while the engine reads slower, the client is not read. (The engine's side is
+    a `ResponseRelay` into the client's socket, paced the same way.)"""
 
-    __slots__ = (
-        "_client",
-        "_client_drain",
-        "_engine",
-        "_engine_drain",
-        "_high_water",
-        "_writer",
-        "bytes_from_client",
-        "bytes_to_client",
-    )
+    __slots__ = ("_client", "_engine", "_engine_drain", "bytes_from_client")
 
-    def __init__(
-        self, engine: UpstreamExchange, client: asyncio.Transport, writer: AbstractStreamWriter
-    ) -> None:
+    def __init__(self, engine: UpstreamExchange, client: asyncio.Transport) -> None:
         self._engine = engine
         self._client = client
-        self._writer = writer  # the client's, for waiting until its socket drains
-        self._high_water = client.get_write_buffer_limits()[1]
-        self._client_drain: asyncio.Task[None] | None = None
         self._engine_drain: asyncio.Task[None] | None = None
-        self.bytes_to_client = 0
         self.bytes_from_client = 0
-
-    # --- the engine's bytes, to the client ---------------------------------------------------
-
-    def feed(self, chunk: bytes) -> None:
-        client = self._client
-        if client.is_closing():
-            self._engine.notify_client_gone()
-            return
-        client.write(chunk)
-        self.bytes_to_client += len(chunk)
-        if client.get_write_buffer_size() > self._high_water and self._client_drain is None:
-            self._engine.pause_reading()
-            self._client_drain = asyncio.get_running_loop().create_task(self._resume_engine())
-
-    async def _resume_engine(self) -> None:
-        try:
-            await self._writer.drain()
-        except ConnectionError:
-            self._engine.notify_client_gone()
-            return
-        finally:
-            self._client_drain = None
-        self._engine.resume_reading()
-
-    # --- the client's bytes, to the engine (aiohttp's payload-parser interface) ---------------
 
     def feed_data(self, data: bytes) -> tuple[bool, bytes]:
         self.bytes_from_client += len(data)
@@ -136,6 +96,5 @@ class WebSocketPipe:
             self._client.resume_reading()
 
     def close(self) -> None:
-        for task in (self._client_drain, self._engine_drain):
-            if task is not None:
-                task.cancel()
+        if self._engine_drain is not None:
+            self._engine_drain.cancel()
