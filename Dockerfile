@@ -23,6 +23,7 @@ RUN python3 -m venv /opt/tether
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proxy/ proxy/
+COPY tether_fake_engine/ tether_fake_engine/
 
 # Install tether (bytecode is compiled now, so the read-only runtime never needs to write it),
 # then drop the installers: the runtime image has no pip, no setuptools, no build cache.

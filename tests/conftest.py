@@ -18,10 +18,10 @@ import structlog
 from aiohttp import web
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from proxy.fake_engine import FakeEngine
 from proxy.logging import configure_logging
 from proxy.runner import TetherServer
 from proxy.settings import LogFormat, LogLevel, Settings
+from tether_fake_engine import FakeEngine
 
 from .support.canaries import CANARY_PROMPT
 from .support.collected_log import IN_PROCESS, UPSTREAM, CollectedLog, log_file

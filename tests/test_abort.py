@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.fake_engine import AbortRoute, FakeEngine, GenerationState
 from proxy.runner import TetherServer
+from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .conftest import (
     FakeEngineFactory,

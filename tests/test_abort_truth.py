@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.fake_engine import AbortRoute, FakeEngine, GenerationState
 from proxy.runner import TetherServer
+from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .conftest import (
     FakeEngineFactory,

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.fake_engine import GenerationState
+from tether_fake_engine import GenerationState
 
 from .conftest import (
     FakeEngineFactory,

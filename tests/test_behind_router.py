@@ -17,8 +17,8 @@ from typing import Protocol
 import aiohttp
 import pytest
 
-from proxy.fake_engine import FakeEngine, Generation, GenerationState
 from proxy.runner import TetherServer
+from tether_fake_engine import FakeEngine, Generation, GenerationState
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, sse_ids, url
 from .support.metrics import metric

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.fake_engine import AbortRoute, FakeEngine, GenerationState
+from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, sse_ids, url
 

@@ -12,8 +12,8 @@ import pytest
 
 from proxy.aborts import FrontEnd
 from proxy.engines import ConfirmRule
-from proxy.fake_engine import AbortRoute, FakeEngine, Generation, GenerationState
 from proxy.runner import TetherServer
+from tether_fake_engine import AbortRoute, FakeEngine, Generation, GenerationState
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled
 from .support.metrics import metric

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.fake_engine import FakeEngine, GenerationState
 from proxy.runner import TetherServer
+from tether_fake_engine import FakeEngine, GenerationState
 
 from .conftest import (
     EngineProcessFactory,

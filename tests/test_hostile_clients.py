@@ -19,8 +19,8 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.fake_engine import AbortRoute, FakeEngine, GenerationState, SeenRequest
 from proxy.metrics import route_label
+from tether_fake_engine import AbortRoute, FakeEngine, GenerationState, SeenRequest
 
 from .conftest import (
     FakeEngineFactory,

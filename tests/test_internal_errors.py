@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from proxy import forward
-from proxy.fake_engine import GenerationState
 from proxy.relay import ResponseRelay
+from tether_fake_engine import GenerationState
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, url
 from .support.canaries import CANARY_SECRET

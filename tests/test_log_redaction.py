@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.fake_engine import AbortRoute
 from proxy.logging import REDACTED, Redactor, render_json
+from tether_fake_engine import AbortRoute
 
 from .conftest import (
     FakeEngineFactory,

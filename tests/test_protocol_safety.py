@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from proxy.fake_engine import AbortRoute
 from proxy.runner import TetherServer
+from tether_fake_engine import AbortRoute
 
 from .conftest import FakeEngineFactory, TetherFactory
 from .support.net import free_port

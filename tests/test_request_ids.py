@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.fake_engine import AbortRoute
 from proxy.request_ids import (
     IdMapper,
     IdMinter,
@@ -22,6 +21,7 @@ from proxy.request_ids import (
     check_client_request_id,
     json_escaped,
 )
+from tether_fake_engine import AbortRoute
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, settled, sse_ids, url
 from .support.canaries import CANARY_PROMPT

@@ -9,7 +9,7 @@ import signal
 import aiohttp
 import pytest
 
-from proxy.fake_engine import GenerationState
+from tether_fake_engine import GenerationState
 
 from .conftest import FakeEngineFactory, TetherFactory, TetherProcessFactory, chat_body, url
 from .support.waiting import poll_until

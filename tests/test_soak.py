@@ -19,8 +19,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.fake_engine import FakeEngine, GenerationState
 from proxy.upstream import UPSTREAM_KEEPALIVE_SECONDS
+from tether_fake_engine import FakeEngine, GenerationState
 
 from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
 from .support.raw_http import RawClient

@@ -8,7 +8,7 @@ import random
 import statistics
 import time
 
-from proxy.fake_engine import GenerationState
+from tether_fake_engine import GenerationState
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled
 from .support.metrics import metric

@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from proxy.fake_engine import GenerationState
+from tether_fake_engine import GenerationState
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, url
 from .support.metrics import metric

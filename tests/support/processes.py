@@ -147,7 +147,7 @@ async def start_tether_process(
 
 @dataclass(eq=False)
 class EngineProcess:
-    """The fake engine (`python -m proxy.fake_engine`) started by a test."""
+    """The fake engine (`python -m tether_fake_engine`) started by a test."""
 
     process: asyncio.subprocess.Process
     port: int
@@ -169,7 +169,7 @@ async def start_engine_process(*args: str, ready_timeout: float = READY_TIMEOUT)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "proxy.fake_engine",
+        "tether_fake_engine",
         "--port",
         str(port),
         *args,

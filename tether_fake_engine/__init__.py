@@ -705,7 +705,3 @@ def main() -> None:
             flush=True,
         ),
     )
-
-
-if __name__ == "__main__":
-    main()
