@@ -33,6 +33,8 @@ close within milliseconds. So:
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ import structlog
 from .engines import AbortCall, ConfirmRule, EngineProfile
 from .metrics import Metrics
 from .relay import ResponseRelay
+from .request_state import RequestState
 from .settings import Settings
 from .tracing import RequestSpan
 from .upstream import UpstreamClient
@@ -202,25 +205,37 @@ class FrontEnd:
 
 @dataclass(slots=True)
 class StopRequest:
-    """What the tracker needs to stop one request's work at the engine."""
+    """One request whose work at the engine the tracker stops (its exchange and relay are
+    the request's own)."""
 
-    internal_request_id: str
-    client_request_id: str
-    route_label: str
+    state: RequestState
     engine_request_ids: tuple[str, ...]
-    upstream: UpstreamExchange
-    relay: ResponseRelay
-    since: float  # loop time at which the client left (or tether decided to stop)
-    span: RequestSpan | None = None  # ended here once the engine's work has stopped
+    since: float  # when the client left (or tether decided to stop)
     # The stream's own engine step, measured when its client left (None: not a stream, or
     # too few events).
     step: float | None = None
-    # Loop time by which the engine certainly holds the request: now if its response body
-    # began, else a while after the whole request reached it.
+    # When the engine certainly holds the request: now if its response body began, else a
+    # while after the whole request reached it.
     registered_by: float = 0.0
     # Reports the request's ending once the engine's work has stopped, with the tokens it
-    # produced after the client left (None: tether did not see them); set by the handler.
+    # produced after the client left (None: tether did not see them); set by the accounting.
     on_stopped: Callable[[int | None], None] | None = None
+    stopped: bool = False  # the engine's work has stopped (or tether gave up on it)
+    tokens_after_disconnect: int | None = None  # once stopped
+
+    @property
+    def upstream(self) -> UpstreamExchange:
+        assert self.state.upstream is not None  # only a request sent upstream is stopped
+        return self.state.upstream
+
+    @property
+    def relay(self) -> ResponseRelay:
+        assert self.state.relay is not None  # the handler gives every stop a relay
+        return self.state.relay
+
+    @property
+    def span(self) -> RequestSpan | None:
+        return self.state.span
 
 
 def _certainly_held(request: StopRequest, answered: float) -> bool:
@@ -277,7 +292,7 @@ class AbortTracker:
             log.debug(
                 "abort_not_possible",
                 reason=AbortResult.UNKNOWN_ROUTE.value,
-                route=request.route_label,
+                route=request.state.route_label,
                 consequence="the dropped upstream connection is the only abort signal",
             )
             return False
@@ -288,14 +303,14 @@ class AbortTracker:
             return False
         if request.step is not None:
             self.front_end.note_step(request.step)
-        self._track(self._abort_and_confirm(request), request.internal_request_id)
+        self._track(self._abort_and_confirm(request), request)
         return True
 
     def let_finish(self, request: StopRequest) -> bool:
         """A request that must outlive its client (`background: true`): read its response to
         the end, bounded by the confirm timeout, without aborting it."""
         request.relay.discard()
-        self._track(self._finish_quietly(request), request.internal_request_id)
+        self._track(self._finish_quietly(request), request)
         return True
 
     @property
@@ -312,35 +327,37 @@ class AbortTracker:
 
     # --- the background work -------------------------------------------------------------------
 
-    def _track(self, work: object, internal_request_id: str) -> None:
+    def _track(self, work: object, request: StopRequest) -> None:
         assert asyncio.iscoroutine(work)
-        task = asyncio.get_running_loop().create_task(work, name=f"stop-{internal_request_id}")
+        name = f"stop-{request.state.internal_request_id}"
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._finished)
+        task.add_done_callback(functools.partial(self._finished, request))
 
-    def _finished(self, task: asyncio.Task[None]) -> None:
+    def _finished(self, request: StopRequest, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (error := task.exception()) is not None:
             # Expected failures are results; anything raised here is a bug in tether.
             log.error("abort_crashed", exc_info=error)
+        if not request.stopped:  # a stop that crashed still reports its request
+            _stopped(request, None)
 
     async def _abort_and_confirm(self, request: StopRequest) -> None:
-        loop = asyncio.get_running_loop()
         upstream = request.upstream
         confirm_by = request.since + self._confirm_timeout
         sending = self._calls.call(request.engine_request_ids)
-        at_once = self.front_end.drops_at_once(loop.time())
+        at_once = self.front_end.drops_at_once(time.monotonic())
         if at_once:
             upstream.close()  # as a plain close would: this front end misses aborts
         repeats = 0
         try:
             # The connection stays open only while the call can still confirm in time: past
             # the confirm timeout the engine gets the dropped connection whatever the call does.
-            await asyncio.wait({sending}, timeout=max(confirm_by - loop.time(), 0))
+            await asyncio.wait({sending}, timeout=max(confirm_by - time.monotonic(), 0))
             if not sending.done():
                 upstream.close()
             outcome, attempts, detail = await sending
-            answered = loop.time()
+            answered = time.monotonic()
             events_at_answer = request.relay.tokens.events
             window_end = answered
             # The next repeat and its delay, where repeats go on blind after the drop.
@@ -371,7 +388,6 @@ class AbortTracker:
         finally:
             sending.cancel()
             upstream.close()  # never reused after a disconnect
-        self._report(request, _tokens_after_disconnect(request.relay))
         result = (
             AbortResult.DROPPED
             if at_once and outcome is _CallResult.ACCEPTED
@@ -380,11 +396,11 @@ class AbortTracker:
         self._count(result, request.span)
         tokens_after = _tokens_after_disconnect(request.relay)
         if outcome is _CallResult.ACCEPTED:
-            self._metrics.record_tokens_after_disconnect(request.route_label, tokens_after)
+            self._metrics.record_tokens_after_disconnect(request.state.route_label, tokens_after)
         latency_ms = round((answered - request.since) * 1000, 2)
         fields: dict[str, object] = {
-            "internal_request_id": request.internal_request_id,
-            "client_request_id": request.client_request_id,
+            "internal_request_id": request.state.internal_request_id,
+            "client_request_id": request.state.client_request_id,
             "engine_request_ids": list(request.engine_request_ids),
             "result": result.value,
             "attempts": attempts,
@@ -443,8 +459,7 @@ class AbortTracker:
             log.debug("abort_not_supported", **fields)
         else:
             log.warning("abort_failed", **fields)
-        if span is not None:
-            span.end()
+        _stopped(request, tokens_after)
 
     def _ended_by_a_repeat(self, request: StopRequest, events_at_answer: int) -> bool:
         """Whether a stream that outlived a repeat of its abort was ended by the repeat (the
@@ -483,7 +498,7 @@ class AbortTracker:
         repeats: list[asyncio.Future[CallOutcome]] = []
         try:
             while repeat_at < window_end:
-                await asyncio.wait({window}, timeout=max(repeat_at - _now(), 0))
+                await asyncio.wait({window}, timeout=max(repeat_at - time.monotonic(), 0))
                 if window.done():
                     break
                 repeats.append(self._repeats.call(request.engine_request_ids))
@@ -503,10 +518,10 @@ class AbortTracker:
         """An abort of a request the engine held did, or did not, end its response within the
         window; a pattern of misses is a front end with several processes (or one that
         ignores aborts)."""
-        if self.front_end.confirm_outcome(missed, asyncio.get_running_loop().time()):
+        if self.front_end.confirm_outcome(missed, time.monotonic()):
             log.warning(
                 "aborts_missed",
-                internal_request_id=request.internal_request_id,
+                internal_request_id=request.state.internal_request_id,
                 consequence="the engine answered aborts that did not stop their requests "
                 "(several API-server processes behind one port?): for the next minute tether "
                 "drops the connection as it sends the abort, as a plain close would",
@@ -523,7 +538,7 @@ class AbortTracker:
             return 0
         repeats = 0
         while repeat_at < confirm_by:
-            await asyncio.sleep(max(repeat_at - _now(), 0))
+            await asyncio.sleep(max(repeat_at - time.monotonic(), 0))
             self._repeats.call(request.engine_request_ids).cancel()  # nobody waits for it
             repeats += 1
             delay *= 2
@@ -535,24 +550,17 @@ class AbortTracker:
             if not await _ended_by(request.upstream, request.since + self._confirm_timeout):
                 log.info(
                     "background_request_left_running",
-                    internal_request_id=request.internal_request_id,
+                    internal_request_id=request.state.internal_request_id,
                     reason="background: true; its response did not end in time",
                 )
         finally:
             request.upstream.close()
-            self._report(request, _tokens_after_disconnect(request.relay))
-            if request.span is not None:
-                request.span.end()
-
-    @staticmethod
-    def _report(request: StopRequest, tokens_after: int | None) -> None:
-        if request.on_stopped is not None:
-            request.on_stopped(tokens_after)
+            _stopped(request, _tokens_after_disconnect(request.relay))
 
     # --- the abort call ----------------------------------------------------------------------
 
     def _candidates(self, calls: tuple[AbortCall, ...]) -> tuple[AbortCall, ...]:
-        now = asyncio.get_running_loop().time()
+        now = time.monotonic()
         return tuple(call for call in calls if self._missing_until.get(call.url, 0) <= now)
 
     async def _send_fresh(self, engine_request_ids: tuple[str, ...]) -> CallOutcome:
@@ -584,15 +592,14 @@ class AbortTracker:
         return await self._send_first_supported(calls, fresh)
 
     async def _send_first_supported(self, calls: tuple[AbortCall, ...], fresh: bool) -> CallOutcome:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._deadline
+        deadline = time.monotonic() + self._deadline
         attempts = 0
         detail = "no abort route configured"
         backoff = _FIRST_BACKOFF
         index = 0
         while index < len(calls):
             call = calls[index]
-            remaining = deadline - loop.time()
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return _CallResult.FAILED, attempts, f"deadline passed; last: {detail}"
             attempts += 1
@@ -608,13 +615,13 @@ class AbortTracker:
                     return _CallResult.ACCEPTED, attempts, f"{call.url}: {status}"
                 detail = f"{call.url}: {status}"
                 if status in _ROUTE_MISSING:
-                    self._missing_until[call.url] = loop.time() + _ROUTE_RECHECK_SECONDS
+                    self._missing_until[call.url] = time.monotonic() + _ROUTE_RECHECK_SECONDS
                     index += 1
                     continue
                 if status < 500 and status != 429:
                     return _CallResult.FAILED, attempts, detail
             # Connection error, 5xx or 429: the same call again after a backoff.
-            pause = min(backoff, deadline - loop.time())
+            pause = min(backoff, deadline - time.monotonic())
             if pause <= 0:
                 return _CallResult.FAILED, attempts, f"deadline passed; last: {detail}"
             await asyncio.sleep(pause)
@@ -637,14 +644,18 @@ class AbortTracker:
             span.set(abort_result=result.value)
 
 
-def _now() -> float:
-    return asyncio.get_running_loop().time()
+def _stopped(request: StopRequest, tokens_after: int | None) -> None:
+    """The engine's work for `request` has stopped: its ending can be reported."""
+    request.stopped = True
+    request.tokens_after_disconnect = tokens_after
+    if request.on_stopped is not None:
+        request.on_stopped(tokens_after)
 
 
 async def _ended_by(upstream: UpstreamExchange, deadline: float) -> bool:
-    """Whether the engine's response ended (cleanly or not) by `deadline` (loop time)."""
+    """Whether the engine's response ended (cleanly or not) by `deadline`."""
     try:
-        async with asyncio.timeout_at(deadline):
+        async with asyncio.timeout(deadline - time.monotonic()):
             await upstream.wait_ended()
     except TimeoutError:
         return False

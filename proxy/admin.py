@@ -16,8 +16,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .context import CONTEXT, ProxyContext
-from .errors import error_body
-from .registry import Outcome
+from .errors import (
+    AdminDisabledError,
+    AdminError,
+    FleetNotConfiguredError,
+    InvalidAdminBodyError,
+    InvalidAdminTokenError,
+    error_response,
+)
+from .request_state import Outcome
 
 log = structlog.get_logger("tether.admin")
 
@@ -64,9 +71,10 @@ async def metrics(request: web.Request) -> web.Response:
 async def list_requests(request: web.Request) -> web.Response:
     """Every in-flight request: client and internal ID, method, path, phase, age, bytes."""
     ctx = _context(request)
-    refusal = _refuse_unauthorised(request, ctx)
-    if refusal is not None:
-        return refusal
+    try:
+        _check_authorised(request, ctx)
+    except AdminError as error:
+        return error_response(error)
     now = time.monotonic()
     registry = ctx.registry
     return web.json_response({"requests": [state.as_json(now) for state in registry]})
@@ -80,37 +88,18 @@ async def abort_request(request: web.Request) -> web.Response:
     engine's work stopped (abort call, or the dropped connection).
     """
     ctx = _context(request)
-    refusal = _refuse_unauthorised(request, ctx)
-    if refusal is not None:
-        return refusal
     try:
-        payload = await request.json()
-        request_id = payload["request_id"]
-        scope = payload.get("scope", "local")
-        if not isinstance(request_id, str) or not request_id or scope not in _SCOPES:
-            raise TypeError
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return _error(
-            400,
-            "invalid_request_error",
-            "invalid_body",
-            'send a JSON object like {"request_id": "<client or internal ID>", '
-            '"scope": "local" or "fleet"}',
-        )
-    if scope == "fleet" and not ctx.fleet.configured:
-        return _error(
-            400,
-            "invalid_request_error",
-            "fleet_not_configured",
-            "no other replicas are known; set TETHER_FLEET_DNS or TETHER_FLEET_PEERS",
-        )
-    aborted = []
-    for state in ctx.registry.find(request_id):
-        if state.task is None or state.task.done():
-            continue
-        state.ended_by = Outcome.ADMIN_ABORTED
-        state.task.cancel()
-        aborted.append(state.internal_request_id)
+        _check_authorised(request, ctx)
+        request_id, scope = await _abort_target(request)
+        if scope == "fleet" and not ctx.fleet.configured:
+            raise FleetNotConfiguredError()
+    except AdminError as error:
+        return error_response(error)
+    aborted = [
+        state.internal_request_id
+        for state in ctx.registry.find(request_id)
+        if state.stop(Outcome.ADMIN_ABORTED)
+    ]
     answer: dict[str, object] = {
         "request_id": request_id,
         "scope": scope,
@@ -135,28 +124,24 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
-def _refuse_unauthorised(request: web.Request, ctx: ProxyContext) -> web.Response | None:
+async def _abort_target(request: web.Request) -> tuple[str, str]:
+    """The request ID and scope an abort call names."""
+    try:
+        payload = await request.json()
+        request_id = payload["request_id"]
+        scope = payload.get("scope", "local")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidAdminBodyError() from None
+    if not isinstance(request_id, str) or not request_id or scope not in _SCOPES:
+        raise InvalidAdminBodyError()
+    return request_id, scope
+
+
+def _check_authorised(request: web.Request, ctx: ProxyContext) -> None:
     token = ctx.settings.admin_token
     if token is None:
-        return _error(
-            403,
-            "permission_error",
-            "admin_disabled",
-            "the admin API is disabled; set TETHER_ADMIN_TOKEN to enable it",
-        )
+        raise AdminDisabledError()
     sent = request.headers.get("Authorization", "")
     expected = f"Bearer {token.get_secret_value()}"
     if not hmac.compare_digest(sent.encode(), expected.encode()):
-        return _error(
-            401,
-            "authentication_error",
-            "invalid_admin_token",
-            "send Authorization: Bearer <TETHER_ADMIN_TOKEN>",
-        )
-    return None
-
-
-def _error(status: int, error_type: str, code: str, message: str) -> web.Response:
-    return web.Response(
-        status=status, body=error_body(message, error_type, code), content_type="application/json"
-    )
+        raise InvalidAdminTokenError()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, cast
 from aiohttp import web
 
 from .aborts import AbortTracker
+from .accounting import Accounting
 from .context import CONTEXT, ProxyContext, UsageAsking
 from .engines import EngineProfile
 from .fleet import Fleet
@@ -63,9 +64,13 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 aborts=aborts,
                 registry=Registry(),
                 metrics=metrics,
+                accounting=Accounting(
+                    metrics,
+                    tracer,
+                    prompt_counted_from_first_token=engine.prompt_counted_from_first_token,
+                ),
                 readiness=readiness,
                 fleet=fleet,
-                tracer=tracer,
                 ids=IdMinter(),
                 usage=UsageAsking(settings.ask_for_usage),
             )

@@ -8,6 +8,7 @@ import structlog
 from aiohttp import web
 
 from .aborts import AbortTracker
+from .accounting import Accounting
 from .engines import EngineProfile
 from .fleet import Fleet
 from .health import Readiness
@@ -15,7 +16,6 @@ from .metrics import Metrics
 from .registry import Registry
 from .request_ids import IdMinter
 from .settings import Settings
-from .tracing import Tracer
 from .upstream import UpstreamClient
 
 log = structlog.get_logger("tether.usage")
@@ -49,9 +49,9 @@ class ProxyContext:
     aborts: AbortTracker
     registry: Registry
     metrics: Metrics
+    accounting: Accounting  # reports each request's ending (with tracing: its span too)
     readiness: Readiness
     fleet: Fleet
-    tracer: Tracer | None  # None: tracing is off (or not installed) and costs nothing
     ids: IdMinter
     usage: UsageAsking
 

@@ -1,103 +1,89 @@
-"""tether's errors: one root, branches by who caused them, and the one mapping from an error
-to the status, OpenAI-style body and log level a client and an operator see."""
+"""tether's errors: one root, branches by who caused them, and the one table from an error to
+the status, OpenAI-style body and log level a client and an operator see. Every error
+response tether sends, on the client port and the admin port, is built by `error_response`."""
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Final
+
+from aiohttp import web
 
 
 class TetherError(Exception):
     """Root of every error tether raises on purpose."""
 
-    status: ClassVar[int] = 500
-    error_type: ClassVar[str] = "internal_error"
-    code: ClassVar[str] = "internal_error"
-    log_level: ClassVar[int] = logging.ERROR
-
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
+    @property
+    def status(self) -> int:
+        return _kind(self).status
+
+    @property
+    def code(self) -> str:
+        return _kind(self).code
+
+    @property
+    def log_level(self) -> int:
+        return _kind(self).log_level
+
     def body(self) -> bytes:
         """The OpenAI-style JSON error body for this error."""
-        return error_body(self.message, self.error_type, self.code)
-
-
-def error_body(message: str, error_type: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": error_type, "code": code}}).encode()
+        kind = _kind(self)
+        return json.dumps(
+            {"error": {"message": self.message, "type": kind.error_type, "code": kind.code}}
+        ).encode()
 
 
 # --- caused by the client: answered before anything goes upstream --------------------------
 
 
 class ClientRequestError(TetherError):
-    status = 400
-    error_type = "invalid_request_error"
-    log_level = logging.INFO
+    """Something about the request itself: it never reaches the engine."""
 
 
 class InvalidRequestIdError(ClientRequestError, ValueError):
-    code = "invalid_request_id"
+    pass
 
 
 class DuplicateRequestIdError(ClientRequestError):
     """Preserve mode: the client's ID is already in flight, and the engine keys by it."""
 
-    status = 409
-    code = "duplicate_request_id"
-
 
 class InvalidRequestBodyError(ClientRequestError, ValueError):
-    code = "invalid_request_body"
+    pass
 
 
 class RequestBodyTooLargeError(ClientRequestError):
-    status = 413
-    code = "request_body_too_large"
+    pass
 
 
 class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
     """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
 
-    status = 408
-    error_type = "timeout_error"
-    code = "client_body_timeout"
-
 
 class BlockedRouteError(ClientRequestError, PermissionError):
-    status = 403
-    error_type = "permission_error"
-    code = "blocked_route"
+    """An engine control route: no client may reach it through tether."""
 
 
 class RouteNotAllowedError(ClientRequestError, PermissionError):
     """TETHER_ALLOWED_PATHS is set and the path is not on it."""
 
-    status = 403
-    error_type = "permission_error"
-    code = "route_not_allowed"
-
 
 class MethodNotAllowedError(ClientRequestError):
     """CONNECT and TRACE: a tunnel and a request echo, never an engine's business."""
-
-    status = 405
-    code = "method_not_allowed"
 
 
 class HttpVersionNotSupportedError(ClientRequestError):
     """A request line that is neither HTTP/1.0 nor HTTP/1.1 (`HTTP/2.0`, HTTP/0.9)."""
 
-    status = 505
-    code = "http_version_not_supported"
-
 
 class UnsupportedUpgradeError(ClientRequestError):
     """An `Upgrade` tether does not relay (anything but a WebSocket; h2c is ignored)."""
-
-    code = "unsupported_upgrade"
 
 
 # --- decided by tether's operator ------------------------------------------------------------
@@ -106,59 +92,73 @@ class UnsupportedUpgradeError(ClientRequestError):
 class StoppedByTetherError(TetherError):
     """tether ended the request itself (admin abort, shutdown) before its response started."""
 
-    status = 503
-    error_type = "unavailable_error"
-    log_level = logging.INFO
-
 
 class AdminAbortedError(StoppedByTetherError):
-    code = "aborted_by_operator"
+    def __init__(self, message: str = "an operator aborted this request") -> None:
+        super().__init__(message)
 
 
 class ShuttingDownError(StoppedByTetherError):
-    code = "shutting_down"
-
     def __init__(self, message: str = "tether is shutting down; retry the request elsewhere"):
         super().__init__(message)
+
+
+# --- the admin API's callers ---------------------------------------------------------------------
+
+
+class AdminError(TetherError):
+    """A call to the admin API that cannot be served."""
+
+
+class AdminDisabledError(AdminError, PermissionError):
+    def __init__(self) -> None:
+        super().__init__("the admin API is disabled; set TETHER_ADMIN_TOKEN to enable it")
+
+
+class InvalidAdminTokenError(AdminError, PermissionError):
+    def __init__(self) -> None:
+        super().__init__("send Authorization: Bearer <TETHER_ADMIN_TOKEN>")
+
+
+class InvalidAdminBodyError(AdminError, ValueError):
+    def __init__(self) -> None:
+        super().__init__(
+            'send a JSON object like {"request_id": "<client or internal ID>", '
+            '"scope": "local" or "fleet"}'
+        )
+
+
+class FleetNotConfiguredError(AdminError):
+    def __init__(self) -> None:
+        super().__init__("no other replicas are known; set TETHER_FLEET_DNS or TETHER_FLEET_PEERS")
 
 
 # --- caused by the upstream or by a limit ---------------------------------------------------
 
 
 class UpstreamError(TetherError):
-    status = 502
-    error_type = "upstream_error"
-    log_level = logging.WARNING
+    """The engine failed, or did not answer in time."""
 
 
 class UpstreamUnavailableError(UpstreamError, ConnectionError):
-    code = "upstream_unavailable"
+    pass
 
 
 class UpstreamConnectTimeoutError(UpstreamError, TimeoutError):
-    status = 504
-    code = "upstream_connect_timeout"
+    pass
 
 
 class RequestTimeoutError(UpstreamError, TimeoutError):
     """TETHER_REQUEST_TIMEOUT or TETHER_STREAM_IDLE_TIMEOUT elapsed."""
 
-    status = 504
-    error_type = "timeout_error"
-    code = "upstream_timeout"
-
 
 class UpstreamBrokenError(UpstreamError, ConnectionError):
     """The upstream failed after its response started: the client's stream is cut."""
-
-    code = "upstream_broken"
 
 
 class UpstreamProtocolError(UpstreamError):
     """The engine's reply is not valid HTTP/1.1: a malformed status line or header, a head
     over the limit or cut off, broken chunked framing."""
-
-    code = "upstream_protocol_error"
 
 
 # --- tether's own bugs -------------------------------------------------------------------------
@@ -174,3 +174,83 @@ class InternalError(TetherError):
 
 class ClientGoneError(ConnectionError):
     """A write to the client failed: it has left."""
+
+
+# --- the one table ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorKind:
+    """What a client and an operator see of one kind of error."""
+
+    status: int
+    error_type: str
+    code: str
+    # Levels by who caused it: the client (info), the engine (warning), tether's bugs (error).
+    log_level: int
+    # The connection closes after the answer: tether is stopping the request or draining,
+    # or what follows on it is not HTTP/1.x.
+    closes_connection: bool = False
+    # Retry-After: 0, so a client or gateway retries at once, elsewhere.
+    retry_now: bool = False
+
+
+_INFO, _WARNING, _ERROR = logging.INFO, logging.WARNING, logging.ERROR
+_INVALID = "invalid_request_error"
+_PERMISSION = "permission_error"
+_TIMEOUT = "timeout_error"
+_UNAVAILABLE = "unavailable_error"
+_UPSTREAM = "upstream_error"
+
+ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
+    InvalidRequestIdError: ErrorKind(400, _INVALID, "invalid_request_id", _INFO),
+    DuplicateRequestIdError: ErrorKind(409, _INVALID, "duplicate_request_id", _INFO),
+    InvalidRequestBodyError: ErrorKind(400, _INVALID, "invalid_request_body", _INFO),
+    RequestBodyTooLargeError: ErrorKind(413, _INVALID, "request_body_too_large", _INFO),
+    ClientBodyTimeoutError: ErrorKind(408, _TIMEOUT, "client_body_timeout", _INFO),
+    BlockedRouteError: ErrorKind(403, _PERMISSION, "blocked_route", _INFO),
+    RouteNotAllowedError: ErrorKind(403, _PERMISSION, "route_not_allowed", _INFO),
+    MethodNotAllowedError: ErrorKind(405, _INVALID, "method_not_allowed", _INFO),
+    HttpVersionNotSupportedError: ErrorKind(
+        505, _INVALID, "http_version_not_supported", _INFO, closes_connection=True
+    ),
+    UnsupportedUpgradeError: ErrorKind(400, _INVALID, "unsupported_upgrade", _INFO),
+    AdminAbortedError: ErrorKind(
+        503, _UNAVAILABLE, "aborted_by_operator", _INFO, closes_connection=True
+    ),
+    ShuttingDownError: ErrorKind(
+        503, _UNAVAILABLE, "shutting_down", _INFO, closes_connection=True, retry_now=True
+    ),
+    AdminDisabledError: ErrorKind(403, _PERMISSION, "admin_disabled", _INFO),
+    InvalidAdminTokenError: ErrorKind(401, "authentication_error", "invalid_admin_token", _INFO),
+    InvalidAdminBodyError: ErrorKind(400, _INVALID, "invalid_body", _INFO),
+    FleetNotConfiguredError: ErrorKind(400, _INVALID, "fleet_not_configured", _INFO),
+    UpstreamUnavailableError: ErrorKind(502, _UPSTREAM, "upstream_unavailable", _WARNING),
+    UpstreamConnectTimeoutError: ErrorKind(504, _UPSTREAM, "upstream_connect_timeout", _WARNING),
+    RequestTimeoutError: ErrorKind(504, _TIMEOUT, "upstream_timeout", _WARNING),
+    UpstreamBrokenError: ErrorKind(502, _UPSTREAM, "upstream_broken", _WARNING),
+    UpstreamProtocolError: ErrorKind(502, _UPSTREAM, "upstream_protocol_error", _WARNING),
+    InternalError: ErrorKind(500, "internal_error", "internal_error", _ERROR),
+}
+
+
+def _kind(error: TetherError) -> ErrorKind:
+    kind = ERROR_KINDS.get(type(error))
+    assert kind is not None, f"{type(error).__name__} has no row in ERROR_KINDS"
+    return kind
+
+
+def error_response(
+    error: TetherError, request_id_header: str | None = None, client_request_id: str | None = None
+) -> web.Response:
+    """The answer to a request that failed before its response started: the error's status
+    and OpenAI-style body, the client's own ID where it has one that can be echoed."""
+    kind = _kind(error)
+    response = web.Response(status=kind.status, body=error.body(), content_type="application/json")
+    if request_id_header is not None and client_request_id is not None:
+        response.headers[request_id_header] = client_request_id
+    if kind.retry_now:
+        response.headers["Retry-After"] = "0"
+    if kind.closes_connection:
+        response.force_close()
+    return response

@@ -3,7 +3,7 @@
 accept → refuse what must not pass → register → body (streamed, or with tether's ID written in)
 → send to the engine → its response head → its body relayed as it arrives (IDs mapped back,
 tokens counted) → on a disconnect, stop the engine's work (abort and confirm, or drop the
-connection) → log, metrics.
+connection) → one report (log line, metrics, span: `accounting`).
 
 The client leaving shows up here in one of two ways: the handler task is cancelled (aiohttp
 runs with `handler_cancellation=True`, so a FIN or RST on the client socket cancels it in any
@@ -14,12 +14,11 @@ engine's work is stopped and the outcome recorded.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import TypeVar
 
-import structlog
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
@@ -27,7 +26,7 @@ from multidict import CIMultiDict, istr
 
 from .aborts import StopRequest
 from .context import ProxyContext
-from .engines import EngineProfile, Route
+from .engines import EngineProfile
 from .errors import (
     AdminAbortedError,
     BlockedRouteError,
@@ -43,12 +42,11 @@ from .errors import (
     ShuttingDownError,
     StoppedByTetherError,
     TetherError,
-    UpstreamError,
+    error_response,
 )
 from .headers import client_response_headers, upstream_request_headers
 from .logging import bind_request_ids
 from .metrics import route_label
-from .registry import Outcome, Phase, RequestState
 from .relay import ResponseRelay
 from .request_body import outgoing_body
 from .request_ids import (
@@ -57,16 +55,14 @@ from .request_ids import (
     check_client_request_id,
     json_escaped,
 )
+from .request_state import Ending, Outcome, Phase, RequestState
 from .routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .settings import RequestIdMode
 from .tokens import TokenCounter, TokenShape
-from .tracing import RequestSpan
 from .upstream_connection import ResponseHead
 from .upstream_exchange import UpstreamExchange
 from .usage_events import UsageEventFilter
 from .websocket import SWITCHING_HEADERS, ClientFrames, websocket_asked
-
-log = structlog.get_logger("tether.request")
 
 _T = TypeVar("_T")
 
@@ -82,55 +78,6 @@ _REGISTERED_AFTER = 0.05
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
-
-
-class RequestCycle:
-    """Per-request flags and handles the handler decides from (never shared across requests)."""
-
-    __slots__ = (
-        "background",
-        "batch",
-        "client_response",
-        "echo_id",
-        "id_in_header",
-        "model",
-        "relay",
-        "route",
-        "samples",
-        "span",
-        "span_handed_over",
-        "state",
-        "stop",
-        "tunnel",
-        "upstream",
-        "usage_asked",
-        "websocket",
-    )
-
-    def __init__(self, state: RequestState, route: Route | None, span: RequestSpan | None) -> None:
-        self.state = state
-        self.route = route
-        self.span = span
-        # The abort tracker ends the span (and reports the request) once the engine's work
-        # has stopped.
-        self.span_handed_over = False
-        self.stop: StopRequest | None = None
-        self.upstream: UpstreamExchange | None = None
-        self.relay: ResponseRelay | None = None
-        self.client_response: web.StreamResponse | None = None
-        self.background = False  # the client asked the engine to outlive the connection
-        self.batch: int | None = None  # prompts in the body's batch; None: one prompt
-        self.samples = 1  # samples it asks for (`n`)
-        self.usage_asked = False  # tether asked for the stream's usage: the client did not
-        self.model: str | None = None  # the body's `model`, where tether read the body
-        self.id_in_header = False  # the client named the request in the request-ID header
-        # The client's ID as the engine would have written it into its answer, where that is
-        # not `state.client_request_id` (SGLang answers with a body `rid` over the header's).
-        self.echo_id: str | None = None
-        self.websocket = False  # it asks for a WebSocket session
-        # The client's side of a WebSocket session, once the engine took it (the engine's
-        # side is `relay`).
-        self.tunnel: ClientFrames | None = None
 
 
 async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.StreamResponse:
@@ -157,118 +104,118 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         return _reject(request, ctx, error)
     bind_request_ids(client_request_id, internal_request_id)
 
-    # 2. Register: from here the request is visible to the admin API and to shutdown.
+    # 2. Register: from here the request is visible to the admin API and to shutdown, and
+    #    whatever happens ends in one report.
     state = RequestState(
         client_request_id=client_request_id,
         internal_request_id=internal_request_id,
         method=request.method,
         path=request.path,
-        route=route_label(request.path),
+        route_label=route_label(request.path),
+        route=ctx.engine.route(request.method, request.path),
         task=request.task,
         connection=request.protocol,
+        id_in_header=header_request_id is not None,
+        websocket=websocket,
     )
-    span = ctx.tracer.start(request.method, state.route, request.headers) if ctx.tracer else None
-    cycle = RequestCycle(state, ctx.engine.route(request.method, request.path), span)
-    cycle.id_in_header = header_request_id is not None
-    cycle.websocket = websocket
     ctx.registry.add(state)
-    ctx.metrics.in_flight.value += 1
+    ctx.accounting.began(state, request.headers)
     try:
         # 3. Forward and relay, bounded by the whole-request timeout when one is set.
         try:
             if settings.request_timeout is None:
-                response = await _forward(request, cycle, ctx)
+                response = await _forward(request, state, ctx)
             else:
                 async with asyncio.timeout(settings.request_timeout):
-                    response = await _forward(request, cycle, ctx)
+                    response = await _forward(request, state, ctx)
         except TimeoutError as exc:
             if isinstance(exc, TetherError):
                 raise  # tether's own timeouts (connect, idle) already say what happened
             raise RequestTimeoutError(
                 f"the request took longer than TETHER_REQUEST_TIMEOUT={settings.request_timeout}s"
             ) from exc
+        # 4. Completed: the engine's answer, whatever its status, went to the client in full.
+        state.ending = Ending(Outcome.COMPLETED, response.status)
+        return response
     except asyncio.CancelledError:
-        # 4a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
+        # 5a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
         outcome = _why_cancelled(request, state, ctx)
-        _stop_upstream(ctx, cycle, outcome)
-        sent = _response_started(cycle)
         if outcome is Outcome.CLIENT_DISCONNECTED:
-            _finish(ctx, cycle, outcome, 499)
+            ctx.accounting.client_left(state)
+        _stop_upstream(ctx, state, outcome)
+        sent = _response_started(state)
+        if outcome is Outcome.CLIENT_DISCONNECTED:
+            state.ending = Ending(outcome, 499)
             raise
         if sent is not None:  # cut mid-response: the status it started with stands
-            _finish(ctx, cycle, outcome, sent.status)
+            state.ending = Ending(outcome, sent.status)
             raise
         # tether cancelled it (admin abort, shutdown) before any byte went out and the client
         # is still there: it gets a 503 it may retry elsewhere, then the connection closes.
         asyncio.current_task().uncancel()  # type: ignore[union-attr]
         stopped = _stopped_by_tether(outcome)
-        _finish(ctx, cycle, outcome, stopped.status, stopped)
-        response = _error_response(stopped, settings.request_id_header, client_request_id)
-        response.force_close()
-        return response
+        state.ending = Ending(outcome, stopped.status, stopped)
+        return error_response(stopped, settings.request_id_header, client_request_id)
     except ClientGoneError:
-        # 4b. The relay found the client's socket closing: same as a cancellation by a
+        # 5b. The relay found the client's socket closing: same as a cancellation by a
         # disconnect. The response goes back to aiohttp, whose last write fails quietly on the
         # closed socket (an exception here would be logged as a server error).
-        _stop_upstream(ctx, cycle, Outcome.CLIENT_DISCONNECTED)
-        _finish(ctx, cycle, Outcome.CLIENT_DISCONNECTED, 499)
-        assert cycle.client_response is not None  # only a started relay finds the client gone
-        return cycle.client_response
+        ctx.accounting.client_left(state)
+        _stop_upstream(ctx, state, Outcome.CLIENT_DISCONNECTED)
+        state.ending = Ending(Outcome.CLIENT_DISCONNECTED, 499)
+        assert state.client_response is not None  # only a started relay finds the client gone
+        return state.client_response
     except TetherError as error:
-        # 4c. A bad body, a timeout or an upstream failure: before the response started the
+        # 5c. A bad body, a timeout or an upstream failure: before the response started the
         # client gets a JSON error; after, its stream is cut so it can never pass for a
         # complete one. Only a timeout is tether's decision to stop work the engine is doing,
         # so only then is the engine told: a body the engine never fully received starts no
         # generation, and aborting a crashed engine would only add a storm of calls.
         outcome = _outcome_of(error)
-        _stop_upstream(ctx, cycle, outcome, ask_engine=outcome is Outcome.TIMED_OUT)
-        if isinstance(error, UpstreamError):
-            ctx.metrics.upstream_errors.inc(error.code)
-        return _answer_failure(request, ctx, cycle, outcome, error)
+        _stop_upstream(ctx, state, outcome, ask_engine=outcome is Outcome.TIMED_OUT)
+        return _answer_failure(request, ctx, state, Ending(outcome, error.status, error))
     except Exception as exc:
-        # 4d. Anything else is a bug in tether. The client still gets an OpenAI-style answer
+        # 5d. Anything else is a bug in tether. The client still gets an OpenAI-style answer
         # (or a cut stream), the engine is stopped, and the log gets one error line with the
         # traceback, never its local variables.
         bug = InternalError(f"tether failed unexpectedly ({exc.__class__.__name__})")
-        _stop_upstream(ctx, cycle, Outcome.INTERNAL_ERROR)
-        return _answer_failure(request, ctx, cycle, Outcome.INTERNAL_ERROR, bug, exc)
+        _stop_upstream(ctx, state, Outcome.INTERNAL_ERROR)
+        return _answer_failure(
+            request, ctx, state, Ending(Outcome.INTERNAL_ERROR, bug.status, bug, exc)
+        )
     finally:
+        # 6. Every way out: the request leaves the registry and is reported, once.
         ctx.registry.remove(state)
-        ctx.metrics.in_flight.value -= 1
-    # 5. Completed: the engine's answer, whatever its status, went to the client in full.
-    _finish(ctx, cycle, Outcome.COMPLETED, response.status)
-    return response
+        ctx.accounting.ended(state)
 
 
 async def _forward(
-    request: web.BaseRequest, cycle: RequestCycle, ctx: ProxyContext
+    request: web.BaseRequest, state: RequestState, ctx: ProxyContext
 ) -> web.StreamResponse:
-    upstream = await _send(request, cycle, ctx)
-    cycle.state.phase = Phase.WAITING
+    upstream = await _send(request, state, ctx)
+    state.phase = Phase.WAITING
     response_head = await upstream.wait_head()
     if response_head.status == 101:  # only ever accepted for a WebSocket handshake
-        return await _relay_websocket(request, response_head, cycle, ctx)
-    mapper = _id_mapper(response_head, cycle)
-    tokens = TokenCounter(cycle.route.tokens if cycle.route is not None else TokenShape.NONE)
+        return await _relay_websocket(request, response_head, state, ctx)
+    mapper = _id_mapper(response_head, state)
+    tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
     usage = (
         UsageEventFilter(restore_fingerprint=ctx.engine.usage_takes_fingerprint)
-        if cycle.usage_asked and _is_sse(response_head)
+        if state.body is not None and state.body.usage_asked and _is_sse(response_head)
         else None
     )
-    cycle.relay = relay = ResponseRelay(upstream, tokens, mapper, usage)
-    cycle.state.relay = relay
+    state.relay = ResponseRelay(upstream, tokens, mapper, usage)
     length = response_head.content_length
     if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
-        return await _relay_whole(response_head, cycle, ctx, mapper)
-    return await _relay_stream(request, response_head, cycle, ctx, mapper)
+        return await _relay_whole(response_head, state, ctx, mapper)
+    return await _relay_stream(request, response_head, state, ctx, mapper)
 
 
 async def _send(
-    request: web.BaseRequest, cycle: RequestCycle, ctx: ProxyContext
+    request: web.BaseRequest, state: RequestState, ctx: ProxyContext
 ) -> UpstreamExchange:
     """The client's request, sent to the engine (its own coroutine, so that what it built,
     the head and body among them, is freed for the rest of a long stream)."""
-    state = cycle.state
     settings = ctx.settings
     headers = upstream_request_headers(
         request.headers,
@@ -281,24 +228,20 @@ async def _send(
     outgoing = await outgoing_body(
         request,
         headers,
-        cycle.route,
+        state.route,
         state.internal_request_id,
         max_json_body=settings.max_json_body,
         body_timeout=settings.client_body_timeout,
         ask_for_usage=ctx.usage.enabled,
-        keep_client_id=_preserving(cycle) and not cycle.id_in_header,
+        keep_client_id=_preserving(state) and not state.id_in_header,
     )
-    if outgoing.client_id is not None:
-        _adopt_body_id(ctx, cycle, outgoing.client_id, headers)
-    cycle.usage_asked = outgoing.usage_asked
-    cycle.model = outgoing.model
-    cycle.background = outgoing.background
-    cycle.batch = outgoing.batch
-    cycle.samples = outgoing.samples
-    if cycle.span is not None:
+    state.body = outgoing.facts
+    if outgoing.facts.client_id is not None:
+        _adopt_body_id(ctx, state, outgoing.facts.client_id, headers)
+    if state.span is not None:
         # The engine's own span (vLLM's llm_request) nests under tether's.
-        headers.update(cycle.span.engine_headers())
-    if cycle.websocket:
+        headers.update(state.span.engine_headers())
+    if state.websocket:
         headers.update(SWITCHING_HEADERS)
     body = outgoing.body
     content_length = None
@@ -313,45 +256,42 @@ async def _send(
         content_length=content_length,
         chunked=chunked,
     )
-    cycle.upstream = upstream = ctx.upstream.exchange(request.method, upgrade=cycle.websocket)
-    state.upstream_contacted = True
+    state.upstream = upstream = ctx.upstream.exchange(request.method, upgrade=state.websocket)
     await upstream.send(head, body, chunked=chunked)
     return upstream
 
 
-def _id_mapper(head: ResponseHead, cycle: RequestCycle) -> IdMapper | None:
+def _id_mapper(head: ResponseHead, state: RequestState) -> IdMapper | None:
     """A mapper for JSON and SSE bodies; None for anything else, anything compressed, and
     routes whose engine ID is the client's handle."""
-    if cycle.route is not None and not cycle.route.maps_id_back:
+    if state.route is not None and not state.route.maps_id_back:
         return None
     if head.headers.get(_CONTENT_ENCODING, "identity").lower() != "identity":
         return None
     media_type = head.headers.get(_CONTENT_TYPE, "").partition(";")[0].strip().lower()
     if media_type not in _MAPPED_TYPES and not media_type.endswith("+json"):
         return None
-    state = cycle.state
-    echo_id = cycle.echo_id or state.client_request_id
+    echo_id = state.echo_id or state.client_request_id
     if state.internal_request_id == echo_id:
         return None  # preserve mode: the engine already used the client's ID
     return IdMapper(state.internal_request_id, json_escaped(echo_id))
 
 
 async def _relay_whole(
-    head: ResponseHead, cycle: RequestCycle, ctx: ProxyContext, mapper: IdMapper
+    head: ResponseHead, state: RequestState, ctx: ProxyContext, mapper: IdMapper
 ) -> web.StreamResponse:
     """A JSON response of known length: read it, map the ID back, answer with its new length."""
-    assert cycle.upstream is not None and cycle.relay is not None
-    cycle.relay.to_buffer()
-    cycle.upstream.attach(cycle.relay)
-    await cycle.upstream.wait_end(ctx.settings.stream_idle_timeout)
-    body = mapper.feed(cycle.relay.buffered()) + mapper.flush()
+    assert state.upstream is not None and state.relay is not None
+    state.relay.to_buffer()
+    state.upstream.attach(state.relay)
+    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    body = state.relay.take_buffered()
     headers = client_response_headers(
         head.headers,
         client_request_id_header=ctx.settings.request_id_header,
-        client_request_id=cycle.state.client_request_id,
+        client_request_id=state.client_request_id,
         body_rewritten=True,
     )
-    cycle.state.bytes_out = len(body)
     response = web.Response(status=head.status, reason=head.reason, headers=headers, body=body)
     if ctx.readiness.draining:
         response.force_close()
@@ -361,77 +301,77 @@ async def _relay_whole(
 async def _relay_stream(
     request: web.BaseRequest,
     head: ResponseHead,
-    cycle: RequestCycle,
+    state: RequestState,
     ctx: ProxyContext,
     mapper: IdMapper | None,
 ) -> web.StreamResponse:
     """Relay the body to the client as it arrives, from the upstream protocol straight into
     the client's socket; this coroutine only waits for the end."""
-    assert cycle.upstream is not None and cycle.relay is not None
+    assert state.upstream is not None and state.relay is not None
     headers = client_response_headers(
         head.headers,
         client_request_id_header=ctx.settings.request_id_header,
-        client_request_id=cycle.state.client_request_id,
+        client_request_id=state.client_request_id,
         body_rewritten=mapper is not None,
     )
     response = web.StreamResponse(status=head.status, reason=head.reason, headers=headers)
     if ctx.readiness.draining:
         response.force_close()
-    cycle.client_response = response
+    state.client_response = response
     writer = await _to_client(response.prepare(request))
     transport = request.transport
     if writer is None or transport is None or transport.is_closing():
         raise ClientGoneError("the client left before the response started")
-    cycle.relay.to_client(
+    state.relay.to_client(
         transport,
         writer,
         chunked=_is_chunked(writer),
         is_sse=_is_sse(head),
     )
-    cycle.state.phase = Phase.STREAMING
-    cycle.upstream.attach(cycle.relay)
-    await cycle.upstream.wait_end(ctx.settings.stream_idle_timeout)
-    cycle.relay.finish()
-    if cycle.relay.engine_reports_usage:
+    state.phase = Phase.STREAMING
+    state.upstream.attach(state.relay)
+    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    state.relay.finish()
+    if state.relay.engine_reports_usage:
         ctx.usage.engine_reports_usage()
     await _to_client(response.write_eof())
     return response
 
 
 async def _relay_websocket(
-    request: web.BaseRequest, head: ResponseHead, cycle: RequestCycle, ctx: ProxyContext
+    request: web.BaseRequest, head: ResponseHead, state: RequestState, ctx: ProxyContext
 ) -> web.StreamResponse:
     """The engine accepted the WebSocket: its 101 goes to the client, then each connection
     carries the other's bytes until one of them closes."""
-    assert cycle.upstream is not None
+    assert state.upstream is not None
     headers = client_response_headers(
         head.headers,
         client_request_id_header=ctx.settings.request_id_header,
-        client_request_id=cycle.state.client_request_id,
+        client_request_id=state.client_request_id,
         body_rewritten=False,
     )
     headers.update(SWITCHING_HEADERS)
     response = web.StreamResponse(status=101, reason=head.reason, headers=headers)
     response.force_close()  # the connection ends with the session
-    cycle.client_response = response
+    state.client_response = response
     writer = await _to_client(response.prepare(request))
     transport = request.transport
     if writer is None or transport is None or transport.is_closing():
         raise ClientGoneError("the client left before the session started")
     # The engine's bytes go to the client as any response body does, unframed and uncounted.
-    cycle.relay = relay = ResponseRelay(cycle.upstream, TokenCounter(TokenShape.NONE), None)
+    state.relay = relay = ResponseRelay(state.upstream, TokenCounter(TokenShape.NONE), None)
     relay.to_client(transport, writer, chunked=False, is_sse=False)
-    cycle.tunnel = frames = ClientFrames(cycle.upstream, transport)
-    cycle.state.phase = Phase.STREAMING
-    ctx.metrics.websocket_sessions_open.value += 1
+    state.tunnel = frames = ClientFrames(state.upstream, transport)
+    state.phase = Phase.STREAMING
+    ctx.accounting.websocket_opened()
     try:
-        cycle.upstream.attach(relay)
+        state.upstream.attach(relay)
         # From here aiohttp hands the client's bytes to `frames` (those that came with the
         # handshake first), as it would to its own WebSocket reader.
         request.protocol.set_parser(frames)  # type: ignore[arg-type]
-        await cycle.upstream.wait_end()
+        await state.upstream.wait_end()
     finally:
-        ctx.metrics.websocket_sessions_open.value -= 1
+        ctx.accounting.websocket_closed()
         frames.close()
     transport.close()  # the engine closed the session: the client's side goes after its bytes
     return response
@@ -493,30 +433,29 @@ def _duplicate_message(request_id: str) -> str:
     )
 
 
-def _preserving(cycle: RequestCycle) -> bool:
+def _preserving(state: RequestState) -> bool:
     """Whether the engine gets the client's own IDs (TETHER_REQUEST_ID_MODE=preserve)."""
-    return cycle.state.internal_request_id == cycle.state.client_request_id
+    return state.internal_request_id == state.client_request_id
 
 
 def _adopt_body_id(
-    ctx: ProxyContext, cycle: RequestCycle, body_id: str, headers: CIMultiDict[str]
+    ctx: ProxyContext, state: RequestState, body_id: str, headers: CIMultiDict[str]
 ) -> None:
     """A client that named its request in the body (vLLM's `request_id`, SGLang's `rid`)
     gets that name back wherever the engine would have written it into its answer: without
     a header ID it is the request's client ID (logs, the response header, the admin API; in
     preserve mode the engine's ID too), with one it is the engine's choice which wins."""
-    state = cycle.state
-    if cycle.id_in_header:
+    if state.id_in_header:
         if ctx.engine.body_id_beats_header:
-            cycle.echo_id = body_id
+            state.echo_id = body_id
         return
-    preserving = _preserving(cycle)
+    preserving = _preserving(state)
     try:
         check_client_request_id(body_id)
     except InvalidClientRequestId as exc:
         if preserving:  # the engine would be keyed by an ID tether cannot log or echo
             raise InvalidRequestIdError(f"the body's request ID {exc}") from None
-        cycle.echo_id = body_id  # echoed in the body as the engine would; tether's ID elsewhere
+        state.echo_id = body_id  # echoed in the body as the engine would; tether's ID elsewhere
         return
     if preserving and ctx.registry.find(body_id):
         raise DuplicateRequestIdError(_duplicate_message(body_id))
@@ -528,16 +467,14 @@ def _adopt_body_id(
     bind_request_ids(body_id, internal_request_id)
 
 
-def _response_started(cycle: RequestCycle) -> web.StreamResponse | None:
+def _response_started(state: RequestState) -> web.StreamResponse | None:
     """The client's response if its head already went out (its status can no longer change)."""
-    response = cycle.client_response
+    response = state.client_response
     return response if response is not None and response.prepared else None
 
 
 def _stopped_by_tether(outcome: Outcome) -> StoppedByTetherError:
-    if outcome is Outcome.ADMIN_ABORTED:
-        return AdminAbortedError("an operator aborted this request")
-    return ShuttingDownError()
+    return AdminAbortedError() if outcome is Outcome.ADMIN_ABORTED else ShuttingDownError()
 
 
 def _outcome_of(error: TetherError) -> Outcome:
@@ -549,8 +486,8 @@ def _outcome_of(error: TetherError) -> Outcome:
 
 
 def _why_cancelled(request: web.BaseRequest, state: RequestState, ctx: ProxyContext) -> Outcome:
-    if state.ended_by is not None:
-        return state.ended_by
+    if state.stopped_by is not None:
+        return state.stopped_by
     transport = request.transport
     if transport is None or transport.is_closing():
         return Outcome.CLIENT_DISCONNECTED
@@ -558,7 +495,7 @@ def _why_cancelled(request: web.BaseRequest, state: RequestState, ctx: ProxyCont
 
 
 def _stop_upstream(
-    ctx: ProxyContext, cycle: RequestCycle, outcome: Outcome, *, ask_engine: bool = True
+    ctx: ProxyContext, state: RequestState, outcome: Outcome, *, ask_engine: bool = True
 ) -> None:
     """Stop what the engine is doing for this request, if it saw the request.
 
@@ -566,84 +503,64 @@ def _stop_upstream(
     dropped (never pooled): an engine that listens for disconnects stops at once. Otherwise
     the abort tracker stops it, confirming from the engine's own response where it can.
     """
-    state = cycle.state
-    if outcome is Outcome.CLIENT_DISCONNECTED:
-        ctx.metrics.client_disconnects.inc(state.phase.value)
-        log.info(
-            "client_disconnected",
-            phase=state.phase.value,
-            upstream_contacted=state.upstream_contacted,
-        )
-        if cycle.span is not None:
-            cycle.span.event("client_disconnected", phase=state.phase.value)
-            cycle.span.set(disconnect_phase=state.phase.value)
-    upstream = cycle.upstream
+    upstream = state.upstream
     if upstream is None:
         return
-    if cycle.tunnel is not None:
+    if state.tunnel is not None:
         # A WebSocket session has no ID an engine API names; its connection closing is
         # what ends it at the engine (vLLM's session cleanup then aborts its request).
-        if not upstream.ended:
-            ctx.metrics.upstream_cancels.inc(outcome.value)
+        state.upstream_cancelled = not upstream.ended
         upstream.close()
         return
-    relay = cycle.relay
+    relay = state.relay
     if relay is None:
         # The engine's answer had not begun: it is still counted when it comes.
-        shape = cycle.route.tokens if cycle.route is not None else TokenShape.NONE
-        cycle.relay = relay = ResponseRelay(upstream, TokenCounter(shape), None)
+        shape = state.route.tokens if state.route is not None else TokenShape.NONE
+        state.relay = relay = ResponseRelay(upstream, TokenCounter(shape), None)
         upstream.attach(relay)
-    if ask_engine and not upstream.ended:
-        ctx.metrics.upstream_cancels.inc(outcome.value)
+    state.upstream_cancelled = ask_engine and not upstream.ended
     if not ask_engine or not upstream.sent or upstream.ended:
         relay.discard()
         upstream.close()
         return
-    route = cycle.route
-    now = asyncio.get_running_loop().time()
+    route, body = state.route, state.body
+    now = time.monotonic()
     events = relay.tokens.events
     first_body_at = upstream.first_body_at
     stop = StopRequest(
-        internal_request_id=state.internal_request_id,
-        client_request_id=state.client_request_id,
-        route_label=state.route,
+        state,
         engine_request_ids=(
-            route.engine_request_ids(state.internal_request_id, cycle.batch, cycle.samples)
+            route.engine_request_ids(
+                state.internal_request_id,
+                body.batch if body is not None else None,
+                body.samples if body is not None else 1,
+            )
             if route is not None
             else ()
         ),
-        upstream=upstream,
-        relay=relay,
         since=now,
-        span=cycle.span,
         # The mean time between the stream's token events so far: one engine step.
-        step=(time.monotonic() - first_body_at) / events
-        if first_body_at is not None and events >= 2
-        else None,
+        step=(now - first_body_at) / events if first_body_at is not None and events >= 2 else None,
         registered_by=now if first_body_at is not None else upstream.sent_at + _REGISTERED_AFTER,
     )
-    handed_over = ctx.aborts.let_finish(stop) if cycle.background else ctx.aborts.stop(stop)
-    cycle.span_handed_over = handed_over
-    cycle.stop = stop if handed_over else None
+    background = body is not None and body.background
+    handed_over = ctx.aborts.let_finish(stop) if background else ctx.aborts.stop(stop)
+    state.stopping = stop if handed_over else None
 
 
 def _answer_failure(
-    request: web.BaseRequest,
-    ctx: ProxyContext,
-    cycle: RequestCycle,
-    outcome: Outcome,
-    error: TetherError,
-    exc: BaseException | None = None,
+    request: web.BaseRequest, ctx: ProxyContext, state: RequestState, ending: Ending
 ) -> web.StreamResponse:
     """Before the response started: a JSON error. After: the stream is cut, so the client can
-    never take it for a complete one."""
-    sent = _response_started(cycle)
+    never take it for a complete one (the status it started with stands)."""
+    assert ending.error is not None
+    sent = _response_started(state)
     if sent is not None:
-        _finish(ctx, cycle, outcome, sent.status, error, exc)
+        state.ending = replace(ending, status=sent.status)
         _cut_client_stream(request)
         return sent
-    _finish(ctx, cycle, outcome, error.status, error, exc)
-    return _error_response(error, ctx.settings.request_id_header, cycle.state.client_request_id)
+    state.ending = ending
+    return error_response(ending.error, ctx.settings.request_id_header, state.client_request_id)
 
 
 def _cut_client_stream(request: web.BaseRequest) -> None:
@@ -657,156 +574,17 @@ def _cut_client_stream(request: web.BaseRequest) -> None:
 
 
 def _reject(request: web.BaseRequest, ctx: ProxyContext, error: TetherError) -> web.Response:
-    """Refused before anything was forwarded: counted as rejected, never seen by the engine."""
+    """Refused before anything was forwarded: counted as rejected, never seen by the engine.
+    The client's ID is echoed where it is one tether can echo safely."""
     header = ctx.settings.request_id_header
-    echo = request.headers.get(header) if not isinstance(error, InvalidRequestIdError) else None
+    bad_id = isinstance(error, InvalidRequestIdError)
+    echo = request.headers.get(header) if not bad_id else None
     if echo is not None:
         try:
             echo = check_client_request_id(echo)
         except InvalidClientRequestId:
             echo = None
-    log.log(
-        error.log_level,
-        "request_rejected",
-        method=request.method,
-        path=request.path if not isinstance(error, InvalidRequestIdError) else None,
-        status=error.status,
-        reason=error.message,
+    ctx.accounting.rejected(
+        request.method, request.path, request.headers, error, echo, path_is_safe=not bad_id
     )
-    route = route_label(request.path)
-    ctx.metrics.record_rejection(route, error.status)
-    if ctx.tracer is not None:
-        span = ctx.tracer.start(request.method, route, request.headers)
-        span.set(client_request_id=echo, outcome=Outcome.REJECTED.value)
-        span.finish(error.status, error.message)
-        span.end()
-    response = _error_response(error, header, echo)
-    if isinstance(error, ShuttingDownError):
-        # Draining: this connection closes after the answer, and the client (or gateway) is
-        # told it may retry at once, elsewhere.
-        response.headers["Retry-After"] = "0"
-        response.force_close()
-    elif isinstance(error, HttpVersionNotSupportedError):
-        response.force_close()  # whatever follows on this connection is not HTTP/1.x
-    return response
-
-
-def _error_response(error: TetherError, header: str, client_request_id: str | None) -> web.Response:
-    headers = {header: client_request_id} if client_request_id is not None else None
-    return web.Response(
-        status=error.status,
-        body=error.body(),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-def _finish(
-    ctx: ProxyContext,
-    cycle: RequestCycle,
-    outcome: Outcome,
-    status: int,
-    error: TetherError | None = None,
-    exc: BaseException | None = None,
-) -> None:
-    """Metrics and the one summary line of a request."""
-    state = cycle.state
-    now = time.monotonic()
-    duration = now - state.started_at
-    relay = cycle.relay
-    upstream = cycle.upstream
-    if upstream is not None and upstream.head is not None:
-        first_byte = upstream.first_body_at or now
-        ctx.metrics.record_first_byte(state.route, first_byte - state.started_at)
-        state.first_byte_at = first_byte
-    tokens = 0
-    if relay is not None:
-        if relay.relaying or relay.tokens_relayed is None:
-            tokens = relay.tokens.total() if outcome is Outcome.COMPLETED else relay.tokens.events
-        else:
-            tokens = relay.tokens_relayed
-        state.bytes_out = max(state.bytes_out, relay.bytes_out)
-    tunnel = cycle.tunnel
-    if tunnel is not None:
-        ctx.metrics.record_websocket_session(outcome.value)
-    ctx.metrics.record_request(
-        state.route,
-        status,
-        outcome.value,
-        duration,
-        state.bytes_out,
-        relay.sse_events if relay is not None else 0,
-        tokens,
-    )
-    ttfb = state.first_byte_at - state.started_at if state.first_byte_at is not None else None
-    span = cycle.span
-    if span is not None:
-        span.set(
-            client_request_id=state.client_request_id,
-            internal_request_id=state.internal_request_id,
-            outcome=outcome.value,
-            tokens_relayed=tokens,
-        )
-        span.finish(status, error.message if error is not None else None)
-    level = error.log_level if error is not None else logging.INFO
-    line: dict[str, object] | None = None
-    if log.is_enabled_for(level):  # else the line's fields are not even assembled
-        line = {
-            "method": state.method,
-            "path": state.path,
-            "status": status,
-            "outcome": outcome.value,
-            "duration_ms": round(duration * 1000, 2),
-            "ttfb_ms": round(ttfb * 1000, 2) if ttfb is not None else None,
-            "bytes_out": state.bytes_out,
-            "tokens": tokens,
-            "error": error.message if error is not None else None,
-        }
-        if tunnel is not None:
-            line["websocket_bytes_in"] = tunnel.bytes_from_client
-
-    def report(tokens_after_disconnect: int | None) -> None:
-        """What the engine says the request used, once known: now, or once tether stopped
-        the engine's work for it (the tokens it produced after the client left)."""
-        tokens_counted = relay.tokens if relay is not None else None
-        prompt = tokens_counted.reported_prompt() if tokens_counted is not None else None
-        engine_total = tokens_counted.reported() if tokens_counted is not None else None
-        completion = (
-            engine_total
-            if engine_total is not None
-            else tokens + (tokens_after_disconnect or 0)
-            if relay is not None
-            else None
-        )
-        if prompt is not None and completion == 0 and ctx.engine.prompt_counted_from_first_token:
-            prompt = 0  # ended before its prefill finished: as the engine counts it
-        if prompt is not None:
-            ctx.metrics.record_prompt_tokens(state.route, prompt)
-        if span is not None:
-            span.set_gen_ai(
-                input_tokens=prompt,
-                output_tokens=completion,
-                model=cycle.model,
-                finish_reasons=tokens_counted.finish_reasons() if tokens_counted else (),
-            )
-            if not cycle.span_handed_over:
-                span.end()
-        if line is None:
-            return
-        log.log(
-            level,
-            "request_finished",
-            **line,
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            completion_tokens_after_disconnect=tokens_after_disconnect,
-            tokens_counted=(
-                "engine" if engine_total is not None else "events" if relay is not None else None
-            ),
-            exc_info=exc,
-        )
-
-    if cycle.stop is not None:
-        cycle.stop.on_stopped = report
-    else:
-        report(None)
+    return error_response(error, header, echo)

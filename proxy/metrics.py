@@ -20,7 +20,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from .registry import Outcome
+from .request_state import Outcome
 
 # Routes known by name; anything else is counted as "other" so label values stay bounded.
 # The probes and scrapes routers send to the pod's serving port (endpoint pickers, the

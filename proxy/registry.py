@@ -3,75 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Protocol
 
-
-class Progress(Protocol):
-    """How far a response has got (the relay's view)."""
-
-    @property
-    def bytes_out(self) -> int: ...
-
-
-class Phase(StrEnum):
-    """Where a request is in its life; also the `phase` label of disconnect metrics."""
-
-    BODY = "body"  # reading the client's body (and sending it upstream)
-    WAITING = "waiting"  # body sent, waiting for the engine's response (queued, prefill)
-    STREAMING = "streaming"  # relaying the response to the client
-
-
-class Outcome(StrEnum):
-    """How a request ended; used as-is in logs and metric labels."""
-
-    COMPLETED = "completed"
-    REJECTED = "rejected"
-    CLIENT_DISCONNECTED = "client_disconnected"
-    ADMIN_ABORTED = "admin_aborted"
-    SHUTDOWN_ABORTED = "shutdown_aborted"
-    TIMED_OUT = "timed_out"
-    UPSTREAM_FAILED = "upstream_failed"
-    INTERNAL_ERROR = "internal_error"
-
-
-@dataclass(slots=True, eq=False)
-class RequestState:
-    """One in-flight request: what the admin API lists and what its summary log reports."""
-
-    client_request_id: str
-    internal_request_id: str
-    method: str
-    path: str
-    route: str
-    started_at: float = field(default_factory=time.monotonic)
-    phase: Phase = Phase.BODY
-    upstream_contacted: bool = False
-    bytes_out: int = 0
-    sse_events: int = 0
-    first_byte_at: float | None = None
-    # Set when tether itself ends the request (admin abort, shutdown) before cancelling it.
-    ended_by: Outcome | None = None
-    task: asyncio.Task[object] | None = None
-    # The client connection it arrived on (for the drain: connections serving no request
-    # are closed at once).
-    connection: object = None
-    # What is relaying its response, once that began (for the bytes sent so far).
-    relay: Progress | None = None
-
-    def as_json(self, now: float) -> dict[str, object]:
-        return {
-            "client_request_id": self.client_request_id,
-            "internal_request_id": self.internal_request_id,
-            "method": self.method,
-            "path": self.path,
-            "phase": self.phase.value,
-            "age_seconds": round(now - self.started_at, 3),
-            "bytes_out": self.relay.bytes_out if self.relay is not None else self.bytes_out,
-        }
+from .request_state import RequestState
 
 
 class Registry:

@@ -190,9 +190,14 @@ class ResponseRelay:
         """The engine put usage in this stream unasked (tether asked anyway)."""
         return self._usage is not None and self._usage.engine_reports_usage
 
-    def buffered(self) -> bytes:
-        """The whole body, in BUFFER mode."""
-        return b"".join(self._buffer)
+    def take_buffered(self) -> bytes:
+        """The whole body read in BUFFER mode, IDs mapped back: what the client gets."""
+        body = b"".join(self._buffer)
+        self._buffer.clear()
+        if self._mapper is not None:
+            body = self._mapper.feed(body) + self._mapper.flush()
+        self.bytes_out = len(body)
+        return body
 
     @property
     def relaying(self) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -38,10 +38,9 @@ _EXPECT = istr("Expect")
 
 
 @dataclass(slots=True)
-class OutgoingBody:
-    """What goes to the engine, and what tether learnt from the body on the way."""
+class BodyFacts:
+    """What tether learnt from a request's body on the way to the engine."""
 
-    body: RequestBody
     # The client asked the engine to keep working after the connection closes (Responses
     # API `"background": true`): such a request is never aborted on a disconnect.
     background: bool = False
@@ -57,6 +56,14 @@ class OutgoingBody:
     # The ID the client named the request by in the body (vLLM's `request_id`, SGLang's
     # `rid`), which the engine would have written into its answer.
     client_id: str | None = None
+
+
+@dataclass(slots=True)
+class OutgoingBody:
+    """What goes to the engine, and what tether learnt from the body on the way."""
+
+    body: RequestBody
+    facts: BodyFacts = field(default_factory=BodyFacts)
 
     @property
     def streamed(self) -> bool:
@@ -124,15 +131,15 @@ async def outgoing_body(
         raise InvalidRequestBodyError(str(exc)) from None
     n = document.get("n")
     model = document.get("model")
-    outgoing = OutgoingBody(
-        body,
+    facts = BodyFacts(
         background=route.may_run_in_background and document.get("background") is True,
         batch=_batch(document, route.fan_out),
         samples=n if isinstance(n, int) and n > 1 else 1,
         model=model if isinstance(model, str) else None,
         client_id=_named_id(document, id_field.name) if names_id and id_field else None,
     )
-    kept = id_field if keep_client_id and outgoing.client_id is not None else None
+    outgoing = OutgoingBody(body, facts)
+    kept = id_field if keep_client_id and facts.client_id is not None else None
     values: dict[str, Any] = {
         field.name: field.value.format(id=internal_request_id)
         for field in maybe
@@ -141,7 +148,7 @@ async def outgoing_body(
     if usage and document.get("stream") is True:
         options = document.get("stream_options")
         if options is None:
-            values["stream_options"], outgoing.usage_asked = _INCLUDE_USAGE, True
+            values["stream_options"], facts.usage_asked = _INCLUDE_USAGE, True
         elif not (isinstance(options, dict) and options.get("include_usage") is True):
             merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             if merged.get("continuous_usage_stats"):
@@ -149,7 +156,7 @@ async def outgoing_body(
                 # chunk, where the client (straight to the engine) gets none.
                 merged["continuous_usage_stats"] = False
             values["stream_options"] = merged
-            outgoing.usage_asked = True
+            facts.usage_asked = True
     if values:
         outgoing.body = document.with_members(values)
     return outgoing

@@ -16,7 +16,7 @@ from .admin import create_admin_app
 from .app import create_app
 from .context import CONTEXT, ProxyContext
 from .forward import proxy_request
-from .registry import Outcome
+from .request_state import Outcome
 from .settings import Settings
 
 log = structlog.get_logger("tether.runner")
@@ -170,9 +170,7 @@ class TetherServer:
         left = list(ctx.registry)
         log.warning("shutdown_aborting", in_flight=len(left))
         for state in left:
-            if state.task is not None and not state.task.done():
-                state.ended_by = Outcome.SHUTDOWN_ABORTED
-                state.task.cancel()
+            state.stop(Outcome.SHUTDOWN_ABORTED)
         try:
             async with asyncio.timeout(_CANCEL_SETTLE_SECONDS):
                 await ctx.registry.wait_empty()

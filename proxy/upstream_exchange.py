@@ -93,7 +93,7 @@ class UpstreamExchange:
         self.complete = False
         self.client_gone = False
         self.sent = False  # the whole request reached the engine's socket
-        self.sent_at = 0.0  # loop time it did
+        self.sent_at = 0.0  # time.monotonic() it did
         self._watch_silence = False  # set by a wait with an idle timeout
         self.first_body_at: float | None = None
         self.last_data_at = 0.0
@@ -146,12 +146,12 @@ class UpstreamExchange:
 
     def _mark_sent(self) -> None:
         self.sent = True
-        self.sent_at = self._loop.time()
+        self.sent_at = time.monotonic()
 
     def _attach_connection(self, connection: UpstreamConnection) -> None:
         self._connection = connection
         connection.begin(self, self._on_body, head_only=self._head_only, upgrade=self._upgrade)
-        self.last_data_at = self._loop.time()
+        self.last_data_at = time.monotonic()
 
     async def _resend(self) -> None:
         """The pooled connection was stale: the same request once more, on a new one."""
@@ -196,9 +196,9 @@ class UpstreamExchange:
                 continue
             if not self._watch_silence:
                 self._watch_silence = True
-                self.last_data_at = self._loop.time()
+                self.last_data_at = time.monotonic()
                 self._route_body()
-            silent_for = self._loop.time() - self.last_data_at
+            silent_for = time.monotonic() - self.last_data_at
             if silent_for >= idle_timeout:
                 raise RequestTimeoutError(
                     f"the engine sent nothing for TETHER_STREAM_IDLE_TIMEOUT={idle_timeout}s"
@@ -308,7 +308,7 @@ class UpstreamExchange:
 
     def _on_body(self, chunk: bytes) -> None:
         if self._watch_silence:
-            self.last_data_at = self._loop.time()
+            self.last_data_at = time.monotonic()
         if self.first_body_at is None:
             self.first_body_at = time.monotonic()
             self._route_body()
@@ -335,7 +335,7 @@ class UpstreamExchange:
         if self.ended:
             return
         self.complete = True
-        self.ended_at = self._loop.time()
+        self.ended_at = time.monotonic()
         self._connection = None
         self._signal()
 
@@ -343,5 +343,5 @@ class UpstreamExchange:
         if self.ended:
             return
         self.error = error
-        self.ended_at = self._loop.time()
+        self.ended_at = time.monotonic()
         self._signal()

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.registry import Phase
+from proxy.request_state import Phase
 from proxy.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
