@@ -9,7 +9,7 @@ from pathlib import Path
 from bench.runner import run
 from bench.workloads import FULL, QUICK
 
-SYSTEMS = ("direct", "nginx", "tether", "tether_info", "tether_otel", "tether_nousage")
+SYSTEMS = ("direct", "nginx", "smg", "tether", "tether_info", "tether_otel", "tether_nousage")
 WORKLOADS = ("relay", "paced", "requests", "streams", "aborts", "memory")
 
 

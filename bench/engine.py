@@ -6,15 +6,17 @@ a core with the load generator and must never be what limits a proxy's figures.
 Routes:
 - `POST /v1/chat/completions`, `POST /v1/completions`: the JSON body's `stream` picks SSE
   or one JSON object (a stream's last event has `finish_reason: "length"`, then, if the
-  body asks for it with `stream_options.include_usage`, a usage event); the query sets
-  `events` (count), `rate` (events/s per stream, 0 means as fast as the socket takes them),
-  `hold=1` (send one event, then stay open and silent) and `tag` (a client-chosen key under
-  which disconnects and aborts are recorded).
+  body asks for it with `stream_options.include_usage`, a usage event); the body's `bench`
+  object sets `events` (count), `rate` (events/s per stream, 0 means as fast as the socket
+  takes them), `hold: true` (send one event, then stay open and silent) and `tag` (a
+  client-chosen key under which disconnects and aborts are recorded). In the body, not the
+  query: a router (smg) forwards a body's unknown members, but not the query.
   Every object carries `"id":"<prefix><X-Request-Id>"` as vLLM does, and every event a
   `bench_ts` send stamp (CLOCK_MONOTONIC ns, which is system-wide on Linux).
-- `GET /health`; `POST /abort_requests` (`{"request_ids": [...]}`, vLLM's abort API): a
-  stream it names ends as vLLM's does, with a `finish_reason: "abort"` event and `[DONE]`
-  (which is what tether waits for to count the abort as confirmed).
+- `GET /health`; `GET /v1/models` (one model, `bench-model`, which a router such as smg
+  reads before it registers the engine); `POST /abort_requests` (`{"request_ids": [...]}`,
+  vLLM's abort API): a stream it names ends as vLLM's does, with a `finish_reason: "abort"`
+  event and `[DONE]` (which is what tether waits for to count the abort as confirmed).
 - `POST /v1/traces`: an OTLP/HTTP trace sink for tether with tracing on. It answers 200 with
   an empty protobuf body (a valid `ExportTraceServiceResponse`) and counts the export
   requests, their bytes and the spans in them, so the runner can check that every request
@@ -31,7 +33,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
-from urllib.parse import parse_qs
 
 import uvloop
 
@@ -43,6 +44,8 @@ SSE_HEAD = (
     b"transfer-encoding: chunked\r\n\r\n"
 )
 DONE_EVENT = chunk(b"data: [DONE]\n\n") + LAST_CHUNK
+# The one model served: a router (smg) registers a worker only once this answers.
+MODEL = "bench-model"
 TRACES_OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n"
 ABORT_EVENT = b'","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":""},"finish_reason":"abort"}]}\n\n'  # noqa: E501
 CHUNK_BODY = (
@@ -130,6 +133,11 @@ def json_response(status: str, payload: object) -> bytes:
         len(body),
         body,
     )
+
+
+MODELS = json_response(
+    "200 OK", {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
+)
 
 
 def completion_response(prefix: str, request_id: str) -> bytes:
@@ -305,12 +313,14 @@ class EngineConnection(asyncio.Protocol):
 
     def _dispatch(self, head: Head, body: bytes) -> None:
         method, target = head.start[0], head.start[1]
-        path, _, query = target.partition(b"?")
+        path = target.partition(b"?")[0]
         prefix = ID_PREFIXES.get(path)
         if method == b"POST" and prefix is not None:
-            self._complete(head, body, prefix, parse_qs(query.decode()))
+            self._complete(head, body, prefix)
         elif path == b"/health":
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        elif path == b"/v1/models":
+            self.transport.write(MODELS)
         elif method == b"POST" and path == b"/abort_requests":
             now_ns = time.monotonic_ns()
             for engine_request_id in json.loads(body)["request_ids"]:
@@ -327,13 +337,14 @@ class EngineConnection(asyncio.Protocol):
         else:
             self.transport.write(json_response("404 Not Found", {"error": "not found"}))
 
-    def _complete(self, head: Head, body: bytes, prefix: str, query: dict[str, list[str]]) -> None:
+    def _complete(self, head: Head, body: bytes, prefix: str) -> None:
         request_id = head.headers.get(b"x-request-id", b"none").decode()
         payload = json.loads(body or b"{}")
         if not payload.get("stream", False):
             self.transport.write(completion_response(prefix, request_id))
             return
-        tag = query["tag"][0] if "tag" in query else None
+        knobs = payload.get("bench") or {}
+        tag = knobs.get("tag")
         if tag is not None:
             self._recorder.tag_by_request_id[request_id] = tag
         self._recorder.streams_started += 1
@@ -341,9 +352,9 @@ class EngineConnection(asyncio.Protocol):
         self._stream = Stream(
             self,
             event_prefix,
-            events=int(query.get("events", ["16"])[0]),
-            rate=float(query.get("rate", ["0"])[0]),
-            hold=query.get("hold", ["0"])[0] == "1",
+            events=int(knobs.get("events", 16)),
+            rate=float(knobs.get("rate", 0)),
+            hold=bool(knobs.get("hold", False)),
             tag=tag,
             engine_request_id=prefix + request_id,
             usage=bool((payload.get("stream_options") or {}).get("include_usage")),

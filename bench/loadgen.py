@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import uvloop
 
+from bench.engine import MODEL
 from bench.http1 import BodyDecoder, body_decoder, parse_head
 from bench.procstat import busy_seconds_per_core, cpu_seconds, rss_bytes
 from bench.stats import summarize_us
@@ -161,20 +162,21 @@ class Client:
         return conn
 
     def request(
-        self, client_request_id: str, *, stream: bool, query: str = ""
+        self, client_request_id: str, *, stream: bool, knobs: dict[str, Any] | None = None
     ) -> tuple[bytes, bytes]:
-        """The raw request and the ID the response must carry after mapping back."""
-        body = json.dumps(
-            {
-                "model": "bench-model",
-                "messages": [{"role": "user", "content": "hi"}],
-                "stream": stream,
-            },
-            separators=(",", ":"),
-        ).encode()
-        target = f"{self._path}?{query}" if query else self._path
+        """The raw request and the ID the response must carry after mapping back. `knobs`
+        tell the engine how to stream (the body's `bench` member: a router such as smg
+        forwards unknown body members, but neither the query nor unknown headers)."""
+        document: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": stream,
+        }
+        if knobs:
+            document["bench"] = knobs
+        body = json.dumps(document, separators=(",", ":")).encode()
         raw = (
-            f"POST {target} HTTP/1.1\r\nhost: {self._host}:{self._port}\r\n"
+            f"POST {self._path} HTTP/1.1\r\nhost: {self._host}:{self._port}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"x-request-id: {client_request_id}\r\n\r\n"
         ).encode() + body
@@ -253,7 +255,7 @@ async def run_streams(spec: dict[str, Any]) -> dict[str, Any]:
     """Workloads 1 and 2: N streams back to back, saturating (rate 0) or paced."""
     client, meter = Client(spec), Meter(record_latency=spec["rate"] > 0)
     stop = asyncio.Event()
-    query = f"events={spec['events']}&rate={spec['rate']}"
+    knobs = {"events": spec["events"], "rate": spec["rate"]}
 
     async def worker(index: int) -> None:
         conn = await client.connect()
@@ -262,7 +264,7 @@ async def run_streams(spec: dict[str, Any]) -> dict[str, Any]:
             await asyncio.sleep(random.uniform(0, 1 / spec["rate"]))
         sequence = 0
         while not stop.is_set():
-            raw, expected_id = client.request(f"bench-{index}-{sequence}", stream=True, query=query)
+            raw, expected_id = client.request(f"bench-{index}-{sequence}", stream=True, knobs=knobs)
             sequence += 1
             meter.sent += 1
             try:
@@ -335,7 +337,7 @@ async def run_aborts(spec: dict[str, Any]) -> dict[str, Any]:
         raw, expected_id = client.request(
             f"bench-abort-{index}",
             stream=True,
-            query=f"events=1000000&rate={spec['rate']}&tag={tag}",
+            knobs={"events": 1_000_000, "rate": spec["rate"], "tag": tag},
         )
         try:
             conn = await client.connect()
@@ -389,7 +391,7 @@ async def run_idle(spec: dict[str, Any]) -> dict[str, Any]:
     async def open_stream(index: int) -> None:
         nonlocal failed
         raw, expected_id = client.request(
-            f"bench-idle-{index}", stream=True, query="events=2&hold=1"
+            f"bench-idle-{index}", stream=True, knobs={"events": 2, "hold": True}
         )
         try:
             conn = await client.connect()

@@ -15,11 +15,13 @@ from typing import Any
 from bench.workloads import Figures
 
 Results = dict[str, dict[str, Figures]]
-COLUMNS = ("direct", "nginx", "tether", "tether_info", "tether_otel", "tether_nousage")
-# (header, numerator, denominator): tether against nginx and a direct connection, what
-# turning tracing on costs tether, and what asking the engine for usage costs it.
+COLUMNS = ("direct", "nginx", "smg", "tether", "tether_info", "tether_otel", "tether_nousage")
+# (header, numerator, denominator): tether against nginx, smg (the closest peer) and a direct
+# connection, what turning tracing on costs tether, and what asking the engine for usage
+# costs it.
 RATIOS = (
     ("tether/nginx", "tether", "nginx"),
+    ("tether/smg", "tether", "smg"),
     ("tether/direct", "tether", "direct"),
     ("otel/tether", "tether_otel", "tether"),
     ("tether/nousage", "tether", "tether_nousage"),
@@ -117,9 +119,9 @@ def rows_for(results: Results) -> list[Row]:
     rows += [
         Row("4 relay events/s, all streams open", "aborts", "events_per_s", 0),
         Row("4 proxy core busy, all streams open", "aborts", "proxy_core_busy", 2),
-        Row("4 abort latency p50 (ms) [nginx/direct: conn drop]", "aborts", "p50_ms", 2),
-        Row("4 abort latency p99 (ms) [nginx/direct: conn drop]", "aborts", "p99_ms", 2),
-        Row("4 abort latency max (ms) [nginx/direct: conn drop]", "aborts", "max_ms", 2),
+        Row("4 abort latency p50 (ms) [nginx, smg, direct: conn drop]", "aborts", "p50_ms", 2),
+        Row("4 abort latency p99 (ms) [nginx, smg, direct: conn drop]", "aborts", "p99_ms", 2),
+        Row("4 abort latency max (ms) [nginx, smg, direct: conn drop]", "aborts", "max_ms", 2),
         Row("4 upstream conn drop p99 (ms)", "aborts", "drop_p99_ms", 2),
         Row("4 disconnected", "aborts", "disconnected", 0),
         Row("4 missed (disconnected, never noticed)", "aborts", "missed", 0),

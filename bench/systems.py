@@ -1,9 +1,10 @@
 """The processes under test: the fake engine, and the ways a client can reach it.
 
 Each system is a listening address plus the pid whose process tree is "the proxy" (none
-for a direct connection): direct, nginx, tether, and two variants of tether, at log level
-info (`tether_info`) and with tracing on (`tether_otel`). Processes are pinned with
-sched_setaffinity before exec.
+for a direct connection): direct, nginx, smg (SGLang's Rust model gateway, the closest
+peer), tether, and variants of tether: at log level info (`tether_info`), with tracing on
+(`tether_otel`), without asking for usage (`tether_nousage`). Processes are pinned with
+sched_setaffinity before exec (smg's threads with it).
 """
 
 from __future__ import annotations
@@ -159,6 +160,45 @@ def nginx(tmp: Path, engine_port: int, nofile: int) -> Iterator[System]:
         yield System("nginx", port, process.pid)
 
 
+def smg_binary() -> str:
+    """`smg` (`pip install smg`, in the test extra) from the active venv, else from PATH."""
+    beside = Path(sys.executable).with_name("smg")
+    found = str(beside) if beside.exists() else shutil.which("smg")
+    if found is None:
+        raise FileNotFoundError("no `smg` command: pip install -e '.[test]' installs it")
+    return found
+
+
+@contextmanager
+def smg(tmp: Path, engine_port: int) -> Iterator[System]:
+    """smg as a plain router in front of the one engine, as its docs run it; its `/readiness`
+    answers 200 once it has registered the engine (from `/v1/models`) and found it healthy."""
+    port, metrics_port = free_port(), free_port()
+    args = [
+        smg_binary(),
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        f"http://127.0.0.1:{engine_port}",
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warn",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--shutdown-grace-period-secs",
+        "0",
+    ]
+    with running(args, core=PROXY_CORE, log=tmp / "smg.log") as process:
+        wait_http_ok(f"http://127.0.0.1:{port}/readiness", process)
+        yield System("smg", port, process.pid)
+
+
 def tether_binary() -> str:
     """`tether` from the active venv (next to this interpreter), else from PATH."""
     beside = Path(sys.executable).with_name("tether")
@@ -224,6 +264,8 @@ def all_systems(
                 systems[name] = System(name, engine_port, None)
             elif name == "nginx":
                 systems[name] = stack.enter_context(nginx(tmp, engine_port, nofile))
+            elif name == "smg":
+                systems[name] = stack.enter_context(smg(tmp, engine_port))
             elif name == "tether":
                 systems[name] = stack.enter_context(
                     tether(tmp, engine_port, name=name, log_level="warning")
