@@ -297,7 +297,7 @@ import yaml
 dash_path, rules_path, metrics_path, out_path = sys.argv[1:]
 problems, notes = [], []
 
-# What tether exports: metric -> label names. Values from the metric reference (README).
+# What tether exports: metric -> label names. Values from the metric reference (docs/operations.md).
 CONTRACT = {
     "tether_requests_total": {"route", "status_class"},
     "tether_request_outcomes_total": {"outcome"},
