@@ -286,6 +286,7 @@ async def _send(
         max_json_body=settings.max_json_body,
         body_timeout=settings.client_body_timeout,
         ask_for_usage=ctx.usage.enabled,
+        json_rule=ctx.engine.json_rule,
         keep_client_id=_preserving(cycle) and not cycle.id_in_header,
     )
     if outgoing.client_id is not None:
