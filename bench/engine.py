@@ -11,8 +11,10 @@ Routes:
   takes them), `hold: true` (send one event, then stay open and silent) and `tag` (a
   client-chosen key under which disconnects and aborts are recorded). In the body, not the
   query: a router (smg) forwards a body's unknown members, but not the query.
-  Every object carries `"id":"<prefix><X-Request-Id>"` as vLLM does, and every event a
-  `bench_ts` send stamp (CLOCK_MONOTONIC ns, which is system-wide on Linux).
+  Every object carries the `id` vLLM answers with (`chatcmpl-<X-Request-Id>`,
+  `cmpl-<X-Request-Id>`), and every event a `bench_ts` send stamp (CLOCK_MONOTONIC ns, which
+  is system-wide on Linux). Both IDs, and the engine request ID an abort must name, come from
+  tether's own vLLM route table (`proxy.engines.vllm`), read once at import.
 - `GET /health`; `GET /v1/models` (one model, `bench-model`, which a router such as smg
   reads before it registers the engine); `POST /abort_requests` (`{"request_ids": [...]}`,
   vLLM's abort API): a stream it names ends as vLLM's does, with a `finish_reason: "abort"`
@@ -37,8 +39,39 @@ from typing import Any, cast
 import uvloop
 
 from bench.http1 import LAST_CHUNK, BodyDecoder, Head, body_decoder, chunk, parse_head
+from proxy.engines import REQUEST_ID_HEADER, Route, vllm
 
-ID_PREFIXES = {b"/v1/chat/completions": "chatcmpl-", b"/v1/completions": "cmpl-"}
+
+@dataclass(frozen=True, slots=True)
+class IdRule:
+    """What vLLM makes of a request's `X-Request-Id` on one route: the engine request ID an
+    abort names and the `id` its answer carries, each as the text around that ID."""
+
+    engine_id: tuple[str, str]
+    answer_id: tuple[str, str]
+
+    @classmethod
+    def of(cls, route: Route) -> IdRule:
+        marker = "\x00"  # stands for the request's ID while the route's templates are split
+        before, _, after = route.engine_request_ids(marker)[0].partition(marker)
+        answer_before, _, answer_after = route.answer_id(marker).partition(marker)
+        return cls((before, after), (answer_before, answer_after))
+
+    def engine_request_id(self, request_id: str) -> str:
+        return self.engine_id[0] + request_id + self.engine_id[1]
+
+    def answer(self, request_id: str) -> str:
+        return self.answer_id[0] + request_id + self.answer_id[1]
+
+
+# The routes served, with tether's own vLLM table read once: no template is read per request.
+ID_RULES = {
+    route.path.encode(): IdRule.of(route)
+    for route in vllm.ROUTES
+    if route.path in ("/v1/chat/completions", "/v1/completions")
+}
+ABORT_PATH = vllm.ABORT_PATHS[0].encode()  # the dev-mode route
+REQUEST_ID = REQUEST_ID_HEADER.lower().encode()
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
     b"transfer-encoding: chunked\r\n\r\n"
@@ -69,7 +102,7 @@ class Recorder:
 
     aborts: dict[str, int] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
-    tag_by_request_id: dict[str, str] = field(default_factory=dict)
+    tag_by_engine_id: dict[str, str] = field(default_factory=dict)
     streams: dict[str, Stream] = field(default_factory=dict)  # by engine request ID
     unknown_aborts: int = 0
     duplicate_aborts: int = 0
@@ -82,8 +115,7 @@ class Recorder:
         stream = self.streams.pop(engine_request_id, None)
         if stream is not None:
             stream.abort()
-        request_id = engine_request_id.split("-", 1)[-1]
-        tag = self.tag_by_request_id.get(request_id)
+        tag = self.tag_by_engine_id.get(engine_request_id)
         if tag is None:
             self.unknown_aborts += 1
         elif tag in self.aborts:
@@ -110,7 +142,7 @@ class Recorder:
         self.streams.clear()
         self.aborts.clear()
         self.drops.clear()
-        self.tag_by_request_id.clear()
+        self.tag_by_engine_id.clear()
         self.unknown_aborts = self.duplicate_aborts = self.streams_started = 0
 
     def as_json(self) -> dict[str, Any]:
@@ -140,11 +172,11 @@ MODELS = json_response(
 )
 
 
-def completion_response(prefix: str, request_id: str) -> bytes:
+def completion_response(answer_id: str) -> bytes:
     return json_response(
         "200 OK",
         {
-            "id": f"{prefix}{request_id}",
+            "id": answer_id,
             "object": "chat.completion",
             "created": 1764460800,
             "model": "bench-model",
@@ -172,11 +204,13 @@ class Stream:
         hold: bool,
         tag: str | None,
         engine_request_id: str,
+        answer_id: str,
         usage: bool,
     ) -> None:
         self._conn = conn
         self._prefix = event_prefix
         self.engine_request_id = engine_request_id
+        self._answer_id = answer_id.encode()
         self._events = self._left = events
         self._usage = usage
         self._interval = 1.0 / rate if rate > 0 else 0.0
@@ -198,11 +232,11 @@ class Stream:
         self._left -= 1
         if self._left <= 0:
             self.finished = True
-            engine_id = self.engine_request_id.encode()
-            last = b'data: {"id":"%b%b%d}\n\n' % (engine_id, LAST_BODY, time.monotonic_ns())
+            answer_id = self._answer_id
+            last = b'data: {"id":"%b%b%d}\n\n' % (answer_id, LAST_BODY, time.monotonic_ns())
             if self._usage:
                 usage = USAGE_BODY % (5 + self._events, self._events)
-                last += b'data: {"id":"' + engine_id + usage
+                last += b'data: {"id":"' + answer_id + usage
             self._conn.transport.write(chunk(last) + DONE_EVENT)
             self._conn.stream_finished()
             return
@@ -233,8 +267,8 @@ class Stream:
             return
         self.cancel()
         self.finished = True
-        engine_id = self.engine_request_id.encode()
-        self._conn.transport.write(chunk(b'data: {"id":"' + engine_id + ABORT_EVENT) + DONE_EVENT)
+        answer_id = self._answer_id
+        self._conn.transport.write(chunk(b'data: {"id":"' + answer_id + ABORT_EVENT) + DONE_EVENT)
         self._conn.stream_finished()
 
 
@@ -314,14 +348,14 @@ class EngineConnection(asyncio.Protocol):
     def _dispatch(self, head: Head, body: bytes) -> None:
         method, target = head.start[0], head.start[1]
         path = target.partition(b"?")[0]
-        prefix = ID_PREFIXES.get(path)
-        if method == b"POST" and prefix is not None:
-            self._complete(head, body, prefix)
+        ids = ID_RULES.get(path)
+        if method == b"POST" and ids is not None:
+            self._complete(head, body, ids)
         elif path == b"/health":
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
         elif path == b"/v1/models":
             self.transport.write(MODELS)
-        elif method == b"POST" and path == b"/abort_requests":
+        elif method == b"POST" and path == ABORT_PATH:
             now_ns = time.monotonic_ns()
             for engine_request_id in json.loads(body)["request_ids"]:
                 self._recorder.record_abort(engine_request_id, now_ns)
@@ -337,18 +371,20 @@ class EngineConnection(asyncio.Protocol):
         else:
             self.transport.write(json_response("404 Not Found", {"error": "not found"}))
 
-    def _complete(self, head: Head, body: bytes, prefix: str) -> None:
-        request_id = head.headers.get(b"x-request-id", b"none").decode()
+    def _complete(self, head: Head, body: bytes, ids: IdRule) -> None:
+        request_id = head.headers.get(REQUEST_ID, b"none").decode()
         payload = json.loads(body or b"{}")
+        answer_id = ids.answer(request_id)
         if not payload.get("stream", False):
-            self.transport.write(completion_response(prefix, request_id))
+            self.transport.write(completion_response(answer_id))
             return
+        engine_request_id = ids.engine_request_id(request_id)
         knobs = payload.get("bench") or {}
         tag = knobs.get("tag")
         if tag is not None:
-            self._recorder.tag_by_request_id[request_id] = tag
+            self._recorder.tag_by_engine_id[engine_request_id] = tag
         self._recorder.streams_started += 1
-        event_prefix = f'data: {{"id":"{prefix}{request_id}{CHUNK_BODY}'.encode()
+        event_prefix = f'data: {{"id":"{answer_id}{CHUNK_BODY}'.encode()
         self._stream = Stream(
             self,
             event_prefix,
@@ -356,10 +392,11 @@ class EngineConnection(asyncio.Protocol):
             rate=float(knobs.get("rate", 0)),
             hold=bool(knobs.get("hold", False)),
             tag=tag,
-            engine_request_id=prefix + request_id,
+            engine_request_id=engine_request_id,
+            answer_id=answer_id,
             usage=bool((payload.get("stream_options") or {}).get("include_usage")),
         )
-        self._recorder.streams[prefix + request_id] = self._stream
+        self._recorder.streams[engine_request_id] = self._stream
         self._stream.start()
 
 

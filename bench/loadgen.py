@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import uvloop
 
-from bench.engine import MODEL
+from bench.engine import ID_RULES, MODEL
 from bench.http1 import BodyDecoder, body_decoder, parse_head
 from bench.procstat import busy_seconds_per_core, cpu_seconds, rss_bytes
 from bench.stats import summarize_us
@@ -151,7 +151,7 @@ class Client:
         self._host = spec["host"]
         self._port = spec["port"]
         self._path = spec.get("path", "/v1/chat/completions")
-        self._id_prefix = "chatcmpl-" if "chat" in self._path else "cmpl-"
+        self._ids = ID_RULES[self._path.encode()]  # the `id` the engine answers with
         self._connect_slots = asyncio.Semaphore(CONNECT_CONCURRENCY)
 
     async def connect(self) -> ClientConnection:
@@ -180,7 +180,7 @@ class Client:
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"x-request-id: {client_request_id}\r\n\r\n"
         ).encode() + body
-        return raw, f'"id":"{self._id_prefix}{client_request_id}"'.encode()
+        return raw, f'"id":"{self._ids.answer(client_request_id)}"'.encode()
 
 
 @dataclass(slots=True)

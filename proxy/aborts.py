@@ -54,8 +54,6 @@ from .upstream_exchange import UpstreamExchange
 
 log = structlog.get_logger("tether.aborts")
 
-# Statuses meaning "this engine has no such route (in this mode)": try the next candidate.
-_ROUTE_MISSING = frozenset({403, 404, 405, 501})
 # A missing route is remembered this long before it is tried again (the engine may restart
 # with its abort endpoint enabled).
 _ROUTE_RECHECK_SECONDS = 60.0
@@ -614,7 +612,7 @@ class AbortTracker:
                     self._missing_until.pop(call.url, None)
                     return _CallResult.ACCEPTED, attempts, f"{call.url}: {status}"
                 detail = f"{call.url}: {status}"
-                if status in _ROUTE_MISSING:
+                if status in self._engine.route_missing_statuses:
                     self._missing_until[call.url] = time.monotonic() + _ROUTE_RECHECK_SECONDS
                     index += 1
                     continue

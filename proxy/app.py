@@ -17,7 +17,7 @@ from aiohttp import web
 from .aborts import AbortTracker
 from .accounting import Accounting
 from .context import CONTEXT, ProxyContext, UsageAsking
-from .engines import EngineProfile
+from .engines import engine_profile
 from .fleet import Fleet
 from .health import Readiness
 from .metrics import Metrics
@@ -51,10 +51,13 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
     client sessions they use are closed, and before the spans they end are flushed."""
     settings = app[SETTINGS]
     metrics = Metrics()
-    engine = EngineProfile(settings)
+    engine = engine_profile(settings)
     provider = cast("TracerProvider | None", app.get(TRACER_PROVIDER))
     with Tracer.open(settings, provider) as tracer:
-        async with UpstreamClient.open(settings) as upstream, Fleet.open(settings) as fleet:
+        async with (
+            UpstreamClient.open(settings, keepalive_seconds=engine.keepalive_seconds) as upstream,
+            Fleet.open(settings) as fleet,
+        ):
             readiness = Readiness(upstream, settings.health_interval, metrics)
             aborts = AbortTracker(settings, engine, upstream, metrics)
             app[CONTEXT] = ProxyContext(

@@ -233,6 +233,7 @@ async def _send(
         max_json_body=settings.max_json_body,
         body_timeout=settings.client_body_timeout,
         ask_for_usage=ctx.usage.enabled,
+        json_rule=ctx.engine.json_rule,
         keep_client_id=_preserving(state) and not state.id_in_header,
     )
     state.body = outgoing.facts

@@ -6,6 +6,8 @@ import functools
 
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
+from .engines import ID_HEADERS, REQUEST_ID_HEADER
+
 # RFC 9110 §7.6.1 connection-specific fields, plus the non-standard ones proxies still see.
 HOP_BY_HOP: frozenset[str] = frozenset(
     name.lower()
@@ -22,7 +24,7 @@ HOP_BY_HOP: frozenset[str] = frozenset(
     )
 )
 
-UPSTREAM_REQUEST_ID_HEADER = istr("X-Request-Id")
+UPSTREAM_REQUEST_ID_HEADER = istr(REQUEST_ID_HEADER)
 _HOST = istr("Host")
 # tether (aiohttp) already answered `100 Continue` to the client; the engine gets the body.
 _EXPECT = istr("Expect")
@@ -35,17 +37,11 @@ _NONE: frozenset[str] = frozenset()
 
 # Fields a `Connection` token may not remove (RFC 9110 §7.6.1 lets a sender name only
 # hop-by-hop fields there): the framing and the label the engine parses the body by, the
-# authority, and the request IDs. A client naming one is ignored, as nginx ignores it, so
-# what tether decided from a field is what the other side gets.
-_NEVER_CONNECTION_NAMED = frozenset(
-    {
-        "content-type",
-        "content-length",
-        "transfer-encoding",
-        "host",
-        "x-request-id",
-        "x-override-rid",
-    }
+# authority, and the request IDs (every header an engine keys requests by). A client naming
+# one is ignored, as nginx ignores it, so what tether decided from a field is what the other
+# side gets.
+_NEVER_CONNECTION_NAMED = (
+    frozenset({"content-type", "content-length", "transfer-encoding", "host"}) | ID_HEADERS
 )
 
 

@@ -20,44 +20,14 @@ from prometheus_client.core import (
     Metric,
 )
 
+from .engines import GENERATION_ROUTES, PROBE_ROUTES
 from .request_state import Outcome
 
-# Routes known by name; anything else is counted as "other" so label values stay bounded.
-# The probes and scrapes routers send to the pod's serving port (endpoint pickers, the
-# production-stack router) have labels of their own, so they never pass for generation.
-GENERATION_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/embeddings",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/v1/rerank",
-        "/v1/score",
-        "/generate",
-        "/generate_stream",
-        "/invocations",
-        "/v1/realtime",  # WebSocket sessions
-    }
-)
-KNOWN_ROUTES = GENERATION_ROUTES | frozenset(
-    {
-        "/v1/models",
-        "/tokenize",
-        "/detokenize",
-        "/health",
-        "/health_generate",
-        "/metrics",
-        "/version",
-        "/ping",
-        "/load",
-        "/v1/loads",
-        "/get_model_info",
-        "/get_server_info",
-    }
-)
+# Routes known by name (every engine's generation routes, `proxy.engines`); anything else is
+# counted as "other" so label values stay bounded. The probes and scrapes routers send to the
+# pod's serving port (endpoint pickers, the production-stack router) have labels of their
+# own, so they never pass for generation.
+KNOWN_ROUTES = GENERATION_ROUTES | PROBE_ROUTES
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

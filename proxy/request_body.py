@@ -5,19 +5,17 @@ TETHER_CLIENT_BODY_TIMEOUT seconds gets a 408, and `Expect: 100-continue` is ans
 once tether's own checks have passed (tether's server has no router to answer it
 before).
 
-Whether a body is JSON is decided by what it is, not by its label: FastAPI parses a body
-without (or with an empty) Content-Type as JSON, releases before its strict checking parse
-any body, and a handler that calls `request.json()` ignores the label. So on a route where
-tether owns an ID field, a body labelled JSON (or not labelled) is read whole, and any other
-body is read whole too as soon as its first character says it could be a JSON object, in
-whatever UTF encoding `json.loads` would detect. Only a body that cannot be one (a multipart
-upload, audio, plain text) streams through untouched: no engine can read an ID out of it.
+Whether a body is JSON is decided as the engine decides it (its profile's `json_rule`), by
+what the body is more than by its label. So on a route where tether owns an ID field, a body
+the engine takes as labelled JSON is read whole, and any other body is read whole too as
+soon as its first bytes say it could be a JSON object. Only a body that cannot be one (a
+multipart upload, audio, plain text) streams through untouched: no engine can read an ID
+out of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +23,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict, istr
 
-from .engines import BodyField, Route
+from .engines import BodyField, JsonRule, Route
 from .errors import ClientBodyTimeoutError, InvalidRequestBodyError, RequestBodyTooLargeError
 from .request_ids import InvalidJsonBody, JsonObject, RawJson
 from .upstream_exchange import RequestBody
@@ -79,10 +77,12 @@ async def outgoing_body(
     max_json_body: int,
     body_timeout: float,
     ask_for_usage: bool,
+    json_rule: JsonRule,
     keep_client_id: bool = False,
 ) -> OutgoingBody:
     """The body to send upstream for `request` on `route`; `forwarded` are the headers the
-    engine will get (its Content-Type, not one a `Connection` token removed). With
+    engine will get (its Content-Type, not one a `Connection` token removed), and
+    `json_rule` says which bodies it parses as JSON. With
     `ask_for_usage`, a stream on a route that reports usage when asked is asked to; with
     `keep_client_id`, an ID the client named in the body goes to the engine unchanged."""
     if not request.body_exists:
@@ -98,14 +98,14 @@ async def outgoing_body(
     if not must_read:
         await _send_continue_if_asked(request)
         return OutgoingBody(stream_body(request, body_timeout))
-    labelled_json = _labelled_json(forwarded)
+    labelled_json = json_rule.labelled(forwarded.getall(_CONTENT_TYPE, ()))
     if labelled_json:
         _check_declared_length(request, max_json_body)
     await _send_continue_if_asked(request)
     start = b""
     if not labelled_json:
-        start = await _read_start(request, body_timeout)
-        if not _could_be_json_object(start):
+        start = await _read_start(request, body_timeout, json_rule)
+        if not json_rule.could_be_object(start):
             return OutgoingBody(stream_body(request, body_timeout, start))
         _check_declared_length(request, max_json_body)
     body = start + await _read_whole(request, max_json_body - len(start), body_timeout)
@@ -133,7 +133,7 @@ async def outgoing_body(
     model = document.get("model")
     facts = BodyFacts(
         background=route.may_run_in_background and document.get("background") is True,
-        batch=_batch(document, route.fan_out),
+        batch=route.batch(document),
         samples=n if isinstance(n, int) and n > 1 else 1,
         model=model if isinstance(model, str) else None,
         client_id=_named_id(document, id_field.name) if names_id and id_field else None,
@@ -188,19 +188,6 @@ def _named_id(document: JsonObject, name: str) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _batch(document: JsonObject, fields: tuple[str, ...]) -> int | None:
-    """How many prompts the first of `fields` present holds as a list (a string or a list of
-    token IDs is one prompt: None)."""
-    for name in fields:
-        value = document.get(name)
-        if value is None:
-            continue
-        if isinstance(value, list) and not (value and isinstance(value[0], int)):
-            return len(value)
-        return None
-    return None
-
-
 async def stream_body(
     request: web.BaseRequest, timeout: float, start: bytes = b""
 ) -> AsyncIterator[bytes]:
@@ -250,44 +237,14 @@ async def _send_continue_if_asked(request: web.BaseRequest) -> None:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
-def _labelled_json(forwarded: CIMultiDict[str]) -> bool:
-    """Whether a Content-Type the engine gets says JSON, or none does (no field, or an empty
-    one): FastAPI parses such a body as JSON."""
-    labels = [
-        value.partition(";")[0].strip().lower() for value in forwarded.getall(_CONTENT_TYPE, ())
-    ]
-    return not any(labels) or any(
-        label == "application/json"
-        or (label.startswith("application/") and label.endswith("+json"))
-        for label in labels
-    )
-
-
-# Enough of a body's start to see its encoding and first character through leading
-# whitespace; a body that is only whitespace this far is read whole (bounded).
-_SNIFF_BYTES = 4096
-_JSON_WHITESPACE = " \t\r\n"
-
-
-async def _read_start(request: web.BaseRequest, timeout: float) -> bytes:
+async def _read_start(request: web.BaseRequest, timeout: float, json_rule: JsonRule) -> bytes:
     """The body's first bytes: enough to tell whether it could be a JSON object."""
     start = b""
-    while len(start) < _SNIFF_BYTES and _could_be_json_object(start, final=False) is None:
+    while (
+        len(start) < json_rule.sniff_bytes and json_rule.could_be_object(start, final=False) is None
+    ):
         chunk = await _read_chunk(request, timeout)
         if not chunk:
             break
         start += chunk
     return start
-
-
-def _could_be_json_object(start: bytes, *, final: bool = True) -> bool | None:
-    """Whether a body beginning with `start` could parse as a JSON object the way
-    `json.loads` reads bytes (FastAPI's parser): its encoding detected from the first bytes
-    (UTF-8, -16 or -32, a BOM), then whitespace, then `{`. None while `start` is too short to
-    tell (only when not `final`)."""
-    if len(start) < 4 and not final:
-        return None
-    text = start.decode(json.detect_encoding(start), errors="ignore").lstrip(_JSON_WHITESPACE)
-    if not text:
-        return None if not final and len(start) < _SNIFF_BYTES else True
-    return text[0] == "{"

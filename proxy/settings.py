@@ -6,7 +6,7 @@ No instance is created at import: ``__main__`` builds one, tests build their own
 from __future__ import annotations
 
 import re
-import string
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -14,29 +14,27 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-ENV_PREFIX = "TETHER_"
+from . import engines
+from .engines import (
+    ABORT_ID_FIELD,
+    ABORT_ID_NAME,
+    ALLOW_PUBLIC,
+    DEFAULT_ENGINE,
+    Engine,
+    EngineSettings,
+    template_fields,
+)
 
-# TETHER_ALLOWED_PATHS=public: the engine's own list of the routes its clients use.
-ALLOW_PUBLIC = "public"
+ENV_PREFIX = "TETHER_"
 
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HTTP_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
-_ID_NAME = "internal_request_id"  # the field an abort template names the engine's ID by
-_ID_FIELD = f"{{{_ID_NAME}}}"
 
 
-def _template_fields(template: str) -> set[str]:
-    """The names a format template replaces (`{{x}}` is literal text, not a field)."""
-    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
-
-
-class Engine(StrEnum):
-    """How the engine is aborted and where tether's request ID goes."""
-
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    GENERIC = "generic"
-    NONE = "none"
+def _one_of(choices: Sequence[str]) -> str:
+    """`a, b or c`."""
+    *others, last = choices
+    return f"{', '.join(others)} or {last}" if others else last
 
 
 class RequestIdMode(StrEnum):
@@ -67,19 +65,9 @@ class LogLevel(StrEnum):
 Seconds = Annotated[float, Field(gt=0)]
 
 
-class Settings(BaseSettings):
-    """tether's configuration. Every field is the env var ``TETHER_<FIELD NAME>``."""
-
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        env_file=".env",
-        extra="ignore",
-        frozen=True,
-        hide_input_in_errors=True,
-        # Helm and compose render unset values as empty strings: empty means "use the
-        # default", never "empty the block list" or "an empty admin token".
-        env_ignore_empty=True,
-    )
+class _SettingsHead(BaseSettings):
+    """The settings `--help` lists first (where tether listens, where the engine is, how it
+    is aborted), ahead of those the engines add (`engines.EngineSettings`) and the rest."""
 
     upstream_url: str = Field(
         description="Base URL of the engine, e.g. http://127.0.0.1:8000 (required)."
@@ -93,7 +81,8 @@ class Settings(BaseSettings):
         9090, ge=0, le=65535, description="Health, readiness, metrics and admin API."
     )
     engine: Engine = Field(
-        Engine.VLLM, description="vllm, sglang, generic or none: how to abort, where the ID goes."
+        DEFAULT_ENGINE,
+        description=f"{_one_of(tuple(Engine))}: how to abort, where the ID goes.",
     )
     abort_url: str | None = Field(
         None,
@@ -107,11 +96,22 @@ class Settings(BaseSettings):
         description="Body template of the abort call for generic; {internal_request_id} is "
         "replaced by tether's ID.",
     )
-    sglang_rid_header: bool = Field(
-        False,
-        description="SGLang only: carry tether's rid in the X-Override-Rid header instead of "
-        "rewriting JSON bodies (SGLang started with SGLANG_ENABLE_REQUEST_HEADER_OVERRIDES=1).",
+
+
+class Settings(EngineSettings, _SettingsHead):
+    """tether's configuration. Every field is the env var ``TETHER_<FIELD NAME>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        extra="ignore",
+        frozen=True,
+        hide_input_in_errors=True,
+        # Helm and compose render unset values as empty strings: empty means "use the
+        # default", never "empty the block list" or "an empty admin token".
+        env_ignore_empty=True,
     )
+
     upstream_admin_key: SecretStr | None = Field(
         None, description="Sent as a bearer token on abort calls (SGLang admin key)."
     )
@@ -277,10 +277,10 @@ class Settings(BaseSettings):
     def _template_names_only_the_id(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        unknown = _template_fields(value) - {_ID_NAME}
+        unknown = template_fields(value) - {ABORT_ID_NAME}
         if unknown:
             raise ValueError(
-                f"may only use {_ID_FIELD}, found {{{sorted(unknown)[0]}}} "
+                f"may only use {ABORT_ID_FIELD}, found {{{sorted(unknown)[0]}}} "
                 "(write literal braces as {{ and }})"
             )
         return value
@@ -346,32 +346,14 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.port == self.admin_port != 0 and self.host == self.admin_host:
             raise ValueError("TETHER_PORT and TETHER_ADMIN_PORT must differ")
-        if self.engine is Engine.GENERIC and self.abort_url is None:
-            raise ValueError("TETHER_ABORT_URL is required when TETHER_ENGINE=generic")
-        names_the_id = [
-            template is not None and _ID_NAME in _template_fields(template)
-            for template in (self.abort_url, self.abort_body)
-        ]
-        if self.engine is Engine.GENERIC and not any(names_the_id):
-            # A call that names no request cannot stop one, and would be counted as if it had.
-            raise ValueError(
-                f"TETHER_ABORT_URL or TETHER_ABORT_BODY must contain {_ID_FIELD} when "
-                "TETHER_ENGINE=generic: an abort call has to name the request it stops"
-            )
-        if self.engine in (Engine.VLLM, Engine.SGLANG) and names_the_id[0]:
-            raise ValueError(
-                f"TETHER_ABORT_URL may contain {_ID_FIELD} only when TETHER_ENGINE=generic "
-                f"({self.engine.value}'s abort route names requests in its body)"
-            )
+        engines.check_settings(self)  # what the engine itself requires or refuses
         if self.blocked_paths == (ALLOW_PUBLIC,):
             raise ValueError("TETHER_BLOCKED_PATHS: 'public' is a value of TETHER_ALLOWED_PATHS")
-        if self.allowed_paths == (ALLOW_PUBLIC,) and self.engine not in (
-            Engine.VLLM,
-            Engine.SGLANG,
-        ):
+        if self.allowed_paths == (ALLOW_PUBLIC,) and not engines.public_routes(self.engine):
             raise ValueError(
-                "TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE=vllm or sglang (tether has no "
-                f"route table of {self.engine.value}); list the paths instead"
+                f"TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE="
+                f"{_one_of(engines.with_public_routes())} (tether has no route table of "
+                f"{self.engine.value}); list the paths instead"
             )
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")

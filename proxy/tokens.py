@@ -16,29 +16,28 @@ at the end, from the last bytes of the response.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
-
-
-class TokenShape(StrEnum):
-    """How a route's responses carry tokens."""
-
-    CHAT = "chat"  # OpenAI chat completions: one `delta` per token
-    COMPLETION = "completion"  # OpenAI completions: one `text` per token
-    MESSAGES = "messages"  # Anthropic messages: one `content_block_delta` per token
-    RESPONSES = "responses"  # OpenAI Responses API: one `*.delta` event per token
-    SGLANG_GENERATE = "sglang_generate"  # SGLang /generate: one `meta_info` event per token
-    NONE = "none"  # no generated tokens (embeddings, models, tokenize, ...)
+from typing import ClassVar
 
 
 @dataclass(frozen=True, slots=True)
-class _EventMarkers:
-    """Byte markers of token-carrying events: each `counted` occurrence is one event, each
-    `excluded` occurrence one event that matched `counted` but carries no token. `excluded`
-    markers are only counted in chunks holding their `hint` (one scan instead of one per
-    spelling; the events they mark are rare)."""
+class TokenShape:
+    """How a route's responses carry tokens: byte markers of its token-carrying events. Each
+    `counted` occurrence is one event, each `excluded` occurrence one event that matched
+    `counted` but carries no token. `excluded` markers are only counted in chunks holding
+    their `hint` (one scan instead of one per spelling; the events they mark are rare).
 
-    counted: tuple[bytes, ...]
+    The API formats several engines serve are below; an engine's own format is defined in
+    its module of `proxy.engines`."""
+
+    name: str
+    counted: tuple[bytes, ...] = ()
     excluded: tuple[tuple[bytes, tuple[bytes, ...]], ...] = ()
+
+    CHAT: ClassVar[TokenShape]  # OpenAI chat completions: one `delta` per token
+    COMPLETION: ClassVar[TokenShape]  # OpenAI completions: one `text` per token
+    MESSAGES: ClassVar[TokenShape]  # Anthropic messages: one `content_block_delta` per token
+    RESPONSES: ClassVar[TokenShape]  # OpenAI Responses API: one `*.delta` event per token
+    NONE: ClassVar[TokenShape]  # no generated tokens (embeddings, models, tokenize, ...)
 
 
 def _spellings(key: bytes, value: bytes) -> tuple[bytes, bytes]:
@@ -48,22 +47,22 @@ def _spellings(key: bytes, value: bytes) -> tuple[bytes, bytes]:
 
 # An aborted stream ends with one more event that names the abort and carries no token.
 _ABORT_FINISH = (b'"abort"', _spellings(b"finish_reason", b'"abort"'))
-_MARKERS: dict[TokenShape, _EventMarkers] = {
-    # The first chat event only announces the assistant's role.
-    TokenShape.CHAT: _EventMarkers(
-        (b'"delta":',), ((b'"assistant"', _spellings(b"role", b'"assistant"')), _ABORT_FINISH)
+# The first chat event only announces the assistant's role.
+TokenShape.CHAT = TokenShape(
+    "chat",
+    (b'"delta":',),
+    ((b'"assistant"', _spellings(b"role", b'"assistant"')), _ABORT_FINISH),
+)
+TokenShape.COMPLETION = TokenShape("completion", (b'"text":',), (_ABORT_FINISH,))
+TokenShape.MESSAGES = TokenShape("messages", _spellings(b"type", b'"content_block_delta"'))
+TokenShape.RESPONSES = TokenShape(
+    "responses",
+    (
+        *_spellings(b"type", b'"response.output_text.delta"'),
+        *_spellings(b"type", b'"response.reasoning_text.delta"'),
     ),
-    TokenShape.COMPLETION: _EventMarkers((b'"text":',), (_ABORT_FINISH,)),
-    TokenShape.MESSAGES: _EventMarkers(_spellings(b"type", b'"content_block_delta"')),
-    TokenShape.RESPONSES: _EventMarkers(
-        (
-            *_spellings(b"type", b'"response.output_text.delta"'),
-            *_spellings(b"type", b'"response.reasoning_text.delta"'),
-        )
-    ),
-    TokenShape.SGLANG_GENERATE: _EventMarkers((b'"meta_info":',)),
-    TokenShape.NONE: _EventMarkers(()),
-}
+)
+TokenShape.NONE = TokenShape("none")
 
 # The engine's own count, wherever it reports one: `usage.completion_tokens` (OpenAI),
 # `usage.output_tokens` (Anthropic, Responses), `meta_info.completion_tokens` (SGLang); the
@@ -83,9 +82,8 @@ class TokenCounter:
     __slots__ = ("_counted", "_excluded", "_first", "_last", "_previous", "_third", "events")
 
     def __init__(self, shape: TokenShape) -> None:
-        markers = _MARKERS[shape]
-        self._counted = markers.counted
-        self._excluded = markers.excluded
+        self._counted = shape.counted
+        self._excluded = shape.excluded
         # The last three chunks seen: the engine's count sits at the very end of a JSON
         # answer and in the last events of a stream (usage, then `[DONE]`), which network
         # reads deliver in whole events or more.

@@ -18,10 +18,6 @@ from .settings import Settings
 from .upstream_exchange import UpstreamExchange
 from .upstream_pool import UpstreamPool
 
-# Idle pooled connections are closed after this long: below uvicorn's default keep-alive of
-# 5 s (vLLM, SGLang), so tether never sends a request on a connection the engine is closing.
-UPSTREAM_KEEPALIVE_SECONDS = 4.0
-
 
 class UpstreamClient:
     """Sends client requests, abort calls and health checks to the engine."""
@@ -53,7 +49,12 @@ class UpstreamClient:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, settings: Settings) -> AsyncIterator[UpstreamClient]:
+    async def open(
+        cls, settings: Settings, *, keepalive_seconds: float
+    ) -> AsyncIterator[UpstreamClient]:
+        """The client and its connections; idle ones are closed after `keepalive_seconds`
+        (the engine profile's: below the engine's own keep-alive, so tether never sends a
+        request on a connection the engine is closing)."""
         parts = urlsplit(settings.upstream_url)
         https = parts.scheme == "https"
         pool = UpstreamPool(
@@ -61,13 +62,13 @@ class UpstreamClient:
             parts.port or (443 if https else 80),
             ssl_context=ssl.create_default_context() if https else None,
             connect_timeout=settings.connect_timeout,
-            idle_timeout=UPSTREAM_KEEPALIVE_SECONDS,
+            idle_timeout=keepalive_seconds,
         )
         # Abort calls keep a few connections of their own, warm, so an abort never waits for
         # a connection the relay is using nor pays for a new one at the worst moment.
         control_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
-                limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_SECONDS, ttl_dns_cache=60
+                limit=0, keepalive_timeout=keepalive_seconds, ttl_dns_cache=60
             ),
             cookie_jar=aiohttp.DummyCookieJar(),
         )

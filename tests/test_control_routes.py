@@ -6,9 +6,8 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from proxy.engines import EngineProfile, control_routes, public_routes
+from proxy.engines import Engine, control_routes, engine_profile, public_routes
 from proxy.routes import is_allowed, is_blocked, normalised_path
-from proxy.settings import Engine
 
 from .conftest import FakeEngineFactory, TetherFactory, chat_body, make_settings, url
 from .support.canaries import CANARY_PROMPT
@@ -131,10 +130,10 @@ def test_an_allowlist_matches_whole_segments() -> None:
 def test_the_profile_takes_the_operators_lists_over_the_built_in_ones() -> None:
     """TETHER_BLOCKED_PATHS replaces the built-in block list; `public` expands to the
     engine's routes."""
-    profile = EngineProfile(make_settings(blocked_paths="/secret", allowed_paths="public"))
+    profile = engine_profile(make_settings(blocked_paths="/secret", allowed_paths="public"))
     assert profile.blocked_paths == ("/secret",)
     assert profile.allowed_paths == public_routes(Engine.VLLM)
-    assert EngineProfile(make_settings()).blocked_paths == control_routes(Engine.VLLM)
+    assert engine_profile(make_settings()).blocked_paths == control_routes(Engine.VLLM)
 
 
 @pytest.mark.parametrize(

@@ -12,8 +12,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.engines import EngineProfile, route_table
-from proxy.settings import Engine
+from proxy.engines import Engine, engine_profile, route_table
 from proxy.tokens import TokenShape
 
 from .conftest import TetherFactory, UpstreamAppFactory, drained, make_settings, settled, url
@@ -169,7 +168,7 @@ def test_every_named_engine_id_contains_tethers_id() -> None:
 def test_read_only_requests_outside_the_table_have_nothing_to_abort() -> None:
     """A GET the table does not know (models, metrics, health) is no work to stop; any other
     method is, and is counted `unknown_route`."""
-    profile = EngineProfile(make_settings(engine="vllm"))
+    profile = engine_profile(make_settings(engine="vllm"))
     assert profile.route("GET", "/v1/models") is None
     unknown = profile.route("POST", "/v1/brand-new")
     assert unknown is not None and unknown.engine_request_ids("x" * 32) == ()

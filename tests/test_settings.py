@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.settings import Engine, Settings
+from proxy.engines import Engine
+from proxy.settings import Settings
 
 from .conftest import make_settings
 from .support.canaries import CANARY_SECRET

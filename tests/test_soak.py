@@ -19,13 +19,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.upstream import UPSTREAM_KEEPALIVE_SECONDS
+from proxy.engines import DEFAULT_ENGINE, PROFILES
 from tether_fake_engine import FakeEngine, GenerationState
 
 from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
 from .support.raw_http import RawClient
 from .support.waiting import poll_until
 
+# The process runs in front of the default engine: how long its idle upstream connections last.
+KEEPALIVE_SECONDS = PROFILES[DEFAULT_ENGINE].keepalive_seconds
 STREAMS = int(os.environ.get("TETHER_SOAK_STREAMS", "2000"))
 ROUNDS = int(os.environ.get("TETHER_SOAK_ROUNDS", "3"))
 
@@ -154,7 +156,7 @@ async def _soak_round(
     ) or [float("nan")]
     # Idle keep-alive connections to the engine are closed by a periodic sweep, within
     # twice their timeout; only then does the descriptor count say what leaked.
-    await asyncio.sleep(2 * UPSTREAM_KEEPALIVE_SECONDS + 1)
+    await asyncio.sleep(2 * KEEPALIVE_SECONDS + 1)
     rss, fds = _rss_and_fds(pid)
     return {
         "streams": STREAMS,

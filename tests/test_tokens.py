@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.engines.sglang import GENERATE_TOKENS
 from proxy.tokens import TokenCounter, TokenShape
 
 ROLE = b'data: {"id":"chatcmpl-x","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
@@ -102,7 +103,7 @@ def test_several_events_in_one_read_and_one_event_split_across_reads() -> None:
             6,
         ),
         (
-            TokenShape.SGLANG_GENERATE,
+            GENERATE_TOKENS,
             [
                 b'data: {"text":" a","meta_info":{"id":"r","completion_tokens":1}}\n\n',
                 b'data: {"text":" a b","meta_info":{"id":"r","completion_tokens":2}}\n\n',

@@ -9,10 +9,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
-from proxy import upstream
+from proxy.upstream import UpstreamClient
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, url
+from .conftest import (
+    FakeEngineFactory,
+    SettingsFactory,
+    TetherFactory,
+    chat_body,
+    drained,
+    settled,
+    url,
+)
 from .support.raw_http import RawClient
 
 CountingEngineFactory = Callable[..., Awaitable[tuple[str, list[int]]]]
@@ -74,22 +83,36 @@ async def test_sequential_requests_share_one_connection(
     assert served == [10]
 
 
+class _Discard:
+    def feed(self, chunk: bytes) -> None:
+        pass
+
+
+async def _post(upstream: UpstreamClient) -> None:
+    """One request over the client's pooled connections, its response read to the end."""
+    exchange = upstream.exchange("POST")
+    head = upstream.request_head(
+        "POST", "/v1/chat/completions", CIMultiDict(), content_length=2, chunked=False
+    )
+    await exchange.send(head, b"{}")
+    assert (await exchange.wait_head()).status == 200
+    exchange.attach(_Discard())
+    await exchange.wait_end()
+
+
 async def test_idle_connections_are_closed_before_the_engines_keep_alive(
-    counting_engine: CountingEngineFactory,
-    tether: TetherFactory,
-    http: aiohttp.ClientSession,
-    monkeypatch: pytest.MonkeyPatch,
+    counting_engine: CountingEngineFactory, settings: SettingsFactory
 ) -> None:
-    """An idle pooled connection is closed after the pool's idle timeout (4 s in production,
-    below uvicorn's 5 s; 0.2 s here): the next request opens a new one."""
-    monkeypatch.setattr(upstream, "UPSTREAM_KEEPALIVE_SECONDS", 0.2)
+    """An idle pooled connection is closed after the pool's idle timeout (the engine
+    profile's keep-alive: 4 s for vLLM and SGLang, below uvicorn's 5 s; 0.2 s here): the
+    next request opens a new one."""
     engine_url, served = await counting_engine()
-    server = await tether(engine_url)
-    async with http.post(url(server), json=chat_body(stream=False)) as response:
-        assert response.status == 200
-    await asyncio.sleep(0.5)  # idle for longer than the pool keeps connections
-    async with http.post(url(server), json=chat_body(stream=False)) as response:
-        assert response.status == 200
+    async with UpstreamClient.open(
+        settings(upstream_url=engine_url), keepalive_seconds=0.2
+    ) as upstream:
+        await _post(upstream)
+        await asyncio.sleep(0.5)  # idle for longer than the pool keeps connections
+        await _post(upstream)
     assert served == [1, 1]
 
 

@@ -1,10 +1,11 @@
 """A fake OpenAI-compatible engine that behaves like vLLM (or SGLang), bad habits included.
 
 For the demo (`tether-fake-engine`), the container smoke test and the test suite. Like the
-real engines it keys each request by the ID its route takes (verified on vLLM 0.32 and SGLang
-0.5.23): `chatcmpl-<X-Request-Id>` for chat and Anthropic messages, `cmpl-<X-Request-Id>-<i>`
-per completion prompt, the body's `request_id` plus `_0` for the Responses API (which
-ignores the header), the body's `rid` verbatim for SGLang; it answers in their wire format
+real engines it keys each request by the ID its route takes, read from tether's own route
+tables (`proxy.engines.vllm` and `.sglang`, verified on vLLM 0.32 and SGLang 0.5.23):
+`chatcmpl-<X-Request-Id>` for chat and Anthropic messages, `cmpl-<X-Request-Id>-<i>` per
+completion prompt, the body's `request_id` plus `_0` for the Responses API (which ignores
+the header), the body's `rid` verbatim for SGLang; it answers in their wire format
 (compact JSON, the role event first, `finish_reason` on the last token, `"abort"` on an extra
 event after an abort, usage where asked for). Like the engines tether exists for, it **keeps
 generating after its client disconnects** unless an abort call names the request (or it is
@@ -34,6 +35,8 @@ from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
+
+from proxy.engines import REQUEST_ID_HEADER, BodyField, Route, sglang, vllm
 
 
 class AbortRoute(StrEnum):
@@ -68,6 +71,11 @@ _ROUTES = {
     "/v1/responses": Api.RESPONSES,
     "/generate": Api.GENERATE,
 }
+# Which engine ID each route makes of the ID a request is keyed by, and which `id` it answers
+# with: the route tables tether itself relies on.
+_VLLM_ROUTES = {route.path: route for route in vllm.ROUTES}
+_SGLANG_ROUTES = {route.path: route for route in sglang.ROUTES}
+_DEV_ABORT, _SCALE_OUT_ABORT = vllm.ABORT_PATHS
 
 
 @dataclass
@@ -213,9 +221,9 @@ class FakeEngine:
             app.router.add_post(path, self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/abort_requests", self._abort_vllm)
-        app.router.add_post("/inference/v1/abort_requests", self._abort_vllm)
-        app.router.add_post("/abort_request", self._abort_sglang)
+        app.router.add_post(_DEV_ABORT, self._abort_vllm)
+        app.router.add_post(_SCALE_OUT_ABORT, self._abort_vllm)
+        app.router.add_post(sglang.ABORT_PATH, self._abort_sglang)
         app.router.add_route("*", "/echo/{tail:.*}", self._echo)
         app.on_shutdown.append(self._stop_generations)
         return app
@@ -296,40 +304,38 @@ class FakeEngine:
         self, request: web.Request, payload: dict[str, Any], knobs: dict[str, Any]
     ) -> Generation:
         api = _ROUTES[request.path]
+        route: Route | None
         if self.abort_route is AbortRoute.SGLANG:
+            route = _SGLANG_ROUTES.get(request.path)
             # X-Override-Rid wins where SGLang takes header overrides (tether's rid in both).
             request_id = str(
-                request.headers.get("X-Override-Rid") or payload.get("rid") or os.urandom(16).hex()
+                request.headers.get(sglang.RID_HEADER)
+                or payload.get(sglang.RID.name)
+                or os.urandom(16).hex()
             )
-            # A batch (a list of prompts) runs as `<rid>_<index>`, one per prompt.
-            batch = _sglang_batch(payload)
-            engine_ids: tuple[str, ...] = (
-                (request_id,)
-                if batch is None
-                else tuple(f"{request_id}_{index}" for index in range(batch))
-            )
-            response_id = request_id
-        elif api is Api.RESPONSES:
-            # The Responses API ignores X-Request-Id; each turn runs as `<request_id>_<turn>`.
-            request_id = str(payload.get("request_id") or "resp_" + os.urandom(8).hex())
-            engine_ids = (f"{request_id}_0",)
+            named = request_id
+        else:
+            route = _VLLM_ROUTES.get(request.path)
+            keyed_by = _body_key(route)
+            if keyed_by is not None:
+                # The Responses API ignores X-Request-Id and names the request from the body.
+                default = keyed_by.value.format(id=os.urandom(8).hex())
+                request_id = str(payload.get(keyed_by.name) or default)
+                named = keyed_by.id_in(request_id)
+            else:
+                request_id = (
+                    request.headers.get(REQUEST_ID_HEADER)
+                    or payload.get(vllm.REQUEST_ID.name)
+                    or os.urandom(8).hex()
+                )
+                named = request_id
+        if route is None:  # a route the engine's table does not name: keyed as it is
+            engine_ids: tuple[str, ...] = (request_id,)
             response_id = request_id
         else:
-            request_id = (
-                request.headers.get("X-Request-Id")
-                or payload.get("request_id")
-                or os.urandom(8).hex()
-            )
-            if api is Api.COMPLETION:
-                prompt = payload.get("prompt", "")
-                count = len(prompt) if isinstance(prompt, list) and prompt else 1
-                if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                    count = 1
-                engine_ids = tuple(f"cmpl-{request_id}-{index}" for index in range(count))
-                response_id = f"cmpl-{request_id}"
-            else:
-                engine_ids = (f"chatcmpl-{request_id}",)
-                response_id = engine_ids[0]
+            # A batch (a list of prompts) runs as one engine request per prompt.
+            engine_ids = route.engine_request_ids(named, route.batch(payload))
+            response_id = route.answer_id(named)
         return Generation(
             request_id=request_id,
             engine_ids=engine_ids,
@@ -543,11 +549,11 @@ class FakeEngine:
 
     async def _abort_vllm(self, request: web.Request) -> web.Response:
         route_on = {
-            "/abort_requests": self.abort_route is AbortRoute.DEV,
-            "/inference/v1/abort_requests": self.abort_route is AbortRoute.SCALE_OUT,
+            _DEV_ABORT: self.abort_route is AbortRoute.DEV,
+            _SCALE_OUT_ABORT: self.abort_route is AbortRoute.SCALE_OUT,
         }[request.path]
         if not route_on:
-            status = 403 if request.path.startswith("/inference") else 404
+            status = 403 if request.path == _SCALE_OUT_ABORT else 404
             self.aborts.append(
                 SeenAbort(
                     request.path, (), status, time.monotonic(), self.connection_number(request)
@@ -657,14 +663,12 @@ class FakeEngine:
         await self._notify()
 
 
-def _sglang_batch(payload: dict[str, Any]) -> int | None:
-    """How many prompts SGLang runs a body as, None for a single one: a list of strings (or of
-    token lists) in `text`, `input_ids` or `prompt`."""
-    for name in ("text", "input_ids", "prompt"):
-        value = payload.get(name)
-        if isinstance(value, list) and not (value and isinstance(value[0], int)):
-            return len(value)
-    return None
+def _body_key(route: Route | None) -> BodyField | None:
+    """The body field a vLLM route names its request by whatever the header says (the one
+    tether always writes: the Responses API's `request_id`); None where the header wins."""
+    if route is None:
+        return None
+    return next((field for field in route.body_fields if field.always), None)
 
 
 def generation_fully_aborted(generation: Generation) -> bool:

@@ -1,0 +1,56 @@
+"""none: an engine with no abort call tether can make (TGI, llama.cpp's server, Ollama, or one
+nobody described): closing the upstream connection is the only lever, and tether sends no
+abort at all.
+
+tether knows none of its routes or control routes: every known engine's control routes are
+blocked in front of it, with those of the servers that typically run as `none`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import (
+    BELOW_UVICORN_KEEPALIVE,
+    FASTAPI_JSON,
+    REQUEST_ID_HEADER,
+    ROUTE_MISSING,
+    UNKNOWN_CONFIRM,
+    AbortCall,
+    EngineProfile,
+)
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+
+class Profile(EngineProfile):
+    routes = ()
+    unknown_route_fields = ()
+    id_headers = (REQUEST_ID_HEADER,)
+    # llama.cpp's slot save/restore/erase (LMDeploy's abort is SGLang's `/abort_request`,
+    # blocked with SGLang's routes).
+    control_routes = ("/slots",)
+    control_routes_complete = False
+    public_routes = ()
+    # TGI's native generation routes.
+    generation_routes = frozenset({"/generate", "/generate_stream"})
+    probe_routes = frozenset()
+    sends_aborts = False
+    merges_aborts = False
+    confirm_rule = UNKNOWN_CONFIRM
+    route_missing_statuses = ROUTE_MISSING
+    usage_takes_fingerprint = False
+    prompt_counted_from_first_token = False
+    body_id_beats_header = False
+    # The rule of the framework most engines run (FastAPI), and the safe one: a body that
+    # could be JSON is read for an ID field.
+    json_rule = FASTAPI_JSON
+    keepalive_seconds = BELOW_UVICORN_KEEPALIVE
+
+    @classmethod
+    def check_settings(cls, settings: Settings) -> None:
+        """Every setting fits: the abort ones are not used."""
+
+    def _abort_calls(self, engine_request_ids: tuple[str, ...]) -> tuple[AbortCall, ...]:
+        return ()
