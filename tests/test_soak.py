@@ -22,8 +22,10 @@ import pytest
 from proxy.upstream import UPSTREAM_KEEPALIVE_SECONDS
 from tether_fake_engine import FakeEngine, GenerationState
 
-from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
+from .support.chat import chat_body
+from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
 STREAMS = int(os.environ.get("TETHER_SOAK_STREAMS", "2000"))

@@ -12,8 +12,10 @@ import pytest
 
 from proxy import upstream
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, url
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, settled, url
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 
 CountingEngineFactory = Callable[..., Awaitable[tuple[str, list[int]]]]
 
