@@ -12,18 +12,12 @@ from aiohttp import web
 from proxy.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    chat_body,
-    drained,
-    leave_mid_stream,
-    settled,
-)
 from .support.canaries import CANARY_PROMPT, CANARY_SECRET
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, leave_mid_stream, settled
 from .support.metrics import metric
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
 
 async def _leave_mid_stream(server: TetherServer, engine: FakeEngine) -> str:

@@ -16,18 +16,12 @@ from aiohttp import web
 from proxy.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    chat_body,
-    drained,
-    settled,
-    url,
-)
 from .support.canaries import CANARY_PROMPT
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
 # Generation runs at one token per 10 ms: an abort that failed would leave a 100,000-token
 # stream running for 1,000 s; the bounds below are seconds, far below that and far above what

@@ -14,18 +14,11 @@ from aiohttp import web
 
 from tether_fake_engine import GenerationState
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    admin_url,
-    chat_body,
-    drained,
-    leave_mid_stream,
-    url,
-)
 from .support.canaries import CANARY_SECRET
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, url
 from .support.metrics import metric, metric_in_text
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 from .support.waiting import poll_until
 
 ADMIN = {"Authorization": f"Bearer {CANARY_SECRET}"}

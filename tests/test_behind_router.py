@@ -11,7 +11,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Protocol
 
 import aiohttp
@@ -20,10 +20,12 @@ import pytest
 from proxy.runner import TetherServer
 from tether_fake_engine import FakeEngine, Generation, GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, sse_ids, url
+from .support.chat import chat_body, sse_ids
+from .support.in_process import TetherFactory, drained, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient
-from .support.smg import FAST_HEALTH_CHECKS, SKIP_REASON, Smg, smg_executable, smg_in_front_of
+from .support.smg import FAST_HEALTH_CHECKS, SKIP_REASON, Smg, smg_executable, start_smg
+from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
 pytestmark = pytest.mark.skipif(smg_executable() is None, reason=SKIP_REASON)
@@ -49,14 +51,19 @@ class RouterFactory(Protocol):
 
 
 @pytest.fixture
-async def smg() -> AsyncIterator[RouterFactory]:
-    """smg in front of a worker URL (tether's or the engine's); stopped at teardown."""
-    async with AsyncExitStack() as stack:
+async def smg(tmp_path: Path) -> AsyncIterator[RouterFactory]:
+    """smg in front of a worker URL (tether's or the engine's); stopped at teardown. Started
+    in a thread: it registers its worker only once tether, in this event loop, answered."""
+    started: list[Smg] = []
 
-        async def start(worker_url: str, *extra: str) -> Smg:
-            return await stack.enter_async_context(smg_in_front_of(worker_url, *extra))
+    async def start(worker_url: str, *extra: str) -> Smg:
+        log = tmp_path / f"smg-{len(started)}.log"
+        started.append(await asyncio.to_thread(start_smg, worker_url, log, *extra))
+        return started[-1]
 
-        yield start
+    yield start
+    for router in started:
+        await asyncio.to_thread(router.stop)
 
 
 async def _engine(fake_engine: FakeEngineFactory) -> tuple[FakeEngine, str]:

@@ -13,18 +13,12 @@ from proxy.request_state import Phase
 from proxy.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    chat_body,
-    drained,
-    settled,
-    url,
-)
 from .support.canaries import canary_bytes
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 from .support.waiting import poll_until
 
 

@@ -18,7 +18,9 @@ import pytest
 
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, sse_ids, url
+from .support.chat import chat_body, sse_ids
+from .support.in_process import TetherFactory, drained, settled, url
+from .support.upstreams import FakeEngineFactory
 
 _HEX_ID = re.compile(r"[0-9a-f]{32}")
 

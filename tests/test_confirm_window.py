@@ -15,9 +15,11 @@ from proxy.engines import ConfirmRule
 from proxy.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, Generation, GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, settled
 from .support.metrics import metric
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 
 TOKEN_INTERVAL = 0.01  # one engine step
 LEAVERS = 24

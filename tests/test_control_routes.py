@@ -9,9 +9,12 @@ from yarl import URL
 from proxy.engines import Engine, control_routes, engine_profile, public_routes
 from proxy.routes import is_allowed, is_blocked, normalised_path
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, make_settings, url
 from .support.canaries import CANARY_PROMPT
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, url
 from .support.raw_http import RawClient, request_head
+from .support.settings import make_settings
+from .support.upstreams import FakeEngineFactory
 
 # The oracle, written out rather than taken from the code under test: every control route of
 # the engines' real route tables (vLLM 0.32.0: `build_app` under every flag, environment and

@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
+from .support.chat import chat_body
 from .support.metrics import metric_in_text
+from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient, json_request, read_reply
+from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
 

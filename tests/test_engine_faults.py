@@ -15,21 +15,12 @@ from aiohttp import web
 from proxy.runner import TetherServer
 from tether_fake_engine import FakeEngine, GenerationState
 
-from .conftest import (
-    EngineProcessFactory,
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    admin_url,
-    chat_body,
-    drained,
-    leave_mid_stream,
-    serve_upstream,
-    settled,
-    url,
-)
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, settled, url
 from .support.metrics import metric
 from .support.net import free_port
+from .support.processes import EngineProcessFactory
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory, serve_upstream
 from .support.waiting import poll_until
 
 

@@ -15,7 +15,7 @@ from bench.engine import ID_RULES
 from proxy.engines import PROFILES, Engine, EngineProfile, engine_profile
 from proxy.metrics import route_label
 
-from .conftest import make_settings
+from .support.settings import make_settings
 
 # Settings each engine needs to start (generic has no abort call of its own).
 NEEDS = {Engine.GENERIC: {"abort_url": "/abort/{internal_request_id}"}}

@@ -13,7 +13,8 @@ import pytest
 
 from proxy.runner import TetherServer
 
-from .conftest import TetherFactory, chat_body, settled, url
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient
 

@@ -15,10 +15,12 @@ from multidict import CIMultiDict
 from proxy.engines import Engine, engine_profile, route_table
 from proxy.tokens import TokenShape
 
-from .conftest import TetherFactory, UpstreamAppFactory, drained, make_settings, settled, url
 from .support.canaries import CANARY_PROMPT
+from .support.in_process import TetherFactory, drained, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient
+from .support.settings import make_settings
+from .support.upstreams import UpstreamAppFactory
 
 
 class Recorder:

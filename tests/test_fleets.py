@@ -20,21 +20,14 @@ from aiohttp import web
 from proxy.runner import TetherServer
 from tether_fake_engine import FakeEngine, GenerationState
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    admin_url,
-    chat_body,
-    drained,
-    settled,
-    url,
-)
+from .support.chat import chat_body
 from .support.collected_log import CollectedLog
+from .support.in_process import TetherFactory, admin_url, drained, settled, url
 from .support.metrics import metric
 from .support.net import free_port
 from .support.processes import TetherProcess, run_tether_cli, start_tether_process
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
 TOKEN = "fleet-test-token"
 

@@ -22,19 +22,13 @@ from multidict import CIMultiDict
 from proxy.metrics import route_label
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState, SeenRequest
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    chat_body,
-    drained,
-    settled,
-    sse_ids,
-)
 from .support.canaries import CANARY_PROMPT, canary_bytes
+from .support.chat import chat_body, sse_ids
 from .support.collected_log import IN_PROCESS, CollectedLog
+from .support.in_process import TetherFactory, drained, settled
 from .support.metrics import metric
 from .support.raw_http import RawClient, json_request, request_head
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
 # Timeout tests run with short limits so that the file stays fast.
 HEADER_TIMEOUT = 0.3

@@ -14,10 +14,12 @@ from proxy import forward
 from proxy.relay import ResponseRelay
 from tether_fake_engine import GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled, url
 from .support.canaries import CANARY_SECRET
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 
 
 class TetherBug(RuntimeError):

@@ -13,18 +13,11 @@ from aiohttp import web
 from proxy.logging import REDACTED, Redactor, render_json
 from tether_fake_engine import AbortRoute
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    chat_body,
-    drained,
-    leave_mid_stream,
-    settled,
-    url,
-)
 from .support.canaries import CANARY_PROMPT, CANARY_SECRET, LEAK_MARKERS
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, leave_mid_stream, settled, url
 from .support.raw_http import RawClient, request_head
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
 REDACTOR = Redactor([CANARY_SECRET])
 

@@ -9,8 +9,10 @@ from datetime import UTC, datetime
 
 import aiohttp
 
-from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
+from .support.chat import chat_body
+from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
 

@@ -19,11 +19,12 @@ import pytest
 from proxy.runner import TetherServer
 from tether_fake_engine import AbortRoute
 
-from .conftest import FakeEngineFactory, TetherFactory
+from .support.in_process import TetherFactory
 from .support.net import free_port
 from .support.nginx import nginx_binary, nginx_in_front_of
 from .support.raw_http import RawClient, Reply, request_head
 from .support.scripted_engine import CLOSE, Response, ScriptedEngine, SeenRequest, http_response
+from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
 VIAS = [

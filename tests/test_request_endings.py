@@ -17,8 +17,10 @@ from proxy.errors import ERROR_KINDS, TetherError, error_response
 from proxy.request_state import Outcome, RequestState
 from tether_fake_engine import GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, admin_url, chat_body, drained, settled
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, admin_url, drained, settled
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 
 
 def _errors_raised() -> list[type[TetherError]]:

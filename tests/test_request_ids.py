@@ -23,8 +23,10 @@ from proxy.request_ids import (
 )
 from tether_fake_engine import AbortRoute
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, settled, sse_ids, url
 from .support.canaries import CANARY_PROMPT
+from .support.chat import chat_body, sse_ids
+from .support.in_process import TetherFactory, settled, url
+from .support.upstreams import FakeEngineFactory
 
 # --- pure: minting, checking, rewriting -------------------------------------------------------
 

@@ -7,10 +7,10 @@ import pytest
 from proxy.engines import Engine
 from proxy.settings import Settings
 
-from .conftest import make_settings
 from .support.canaries import CANARY_SECRET
 from .support.collected_log import CollectedLog
 from .support.processes import run_tether_cli
+from .support.settings import make_settings
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,10 @@ import pytest
 
 from tether_fake_engine import GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, TetherProcessFactory, chat_body, url
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, url
+from .support.processes import TetherProcessFactory
+from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
 

@@ -22,8 +22,10 @@ import pytest
 from proxy.engines import DEFAULT_ENGINE, PROFILES
 from tether_fake_engine import FakeEngine, GenerationState
 
-from .conftest import FakeEngineFactory, TetherProcessFactory, chat_body
+from .support.chat import chat_body
+from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
 # The process runs in front of the default engine: how long its idle upstream connections last.

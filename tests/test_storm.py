@@ -10,9 +10,11 @@ import time
 
 from tether_fake_engine import GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, drained, settled
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, settled
 from .support.metrics import metric
 from .support.raw_http import RawClient
+from .support.upstreams import FakeEngineFactory
 
 STREAMS = 200
 # From a client's disconnect to the engine receiving its abort call. Measured on 2 cores with

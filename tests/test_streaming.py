@@ -13,17 +13,11 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherFactory,
-    UpstreamAppFactory,
-    chat_body,
-    settled,
-    sse_ids,
-    url,
-)
+from .support.chat import chat_body, sse_ids
+from .support.in_process import TetherFactory, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient, parse_reply
+from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
 
 def _events(internal_id: str, usage: bool) -> list[bytes]:

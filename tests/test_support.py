@@ -4,6 +4,7 @@ grep finds what it is there to find (and only in what tether wrote)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from .support.canaries import CANARY_PROMPT, CANARY_SECRET, LEAK_MARKERS, canary_bytes
 from .support.collected_log import IN_PROCESS, UPSTREAM, CollectedLog, subprocess_source
 from .support.leak_check import find_leaks, main
-from .support.metrics import metric, metric_in_text
-from .support.waiting import poll_until, within
+from .support.metrics import histogram_quantile, metric, metric_in_text, parse_metrics
+from .support.waiting import poll_until, wait_until, within
 
 
 def _registry() -> CollectorRegistry:
@@ -54,6 +55,59 @@ def test_metric_in_text_reads_prometheus_exposition() -> None:
     assert metric_in_text(text, "t_aborts_total", engine="vllm", result="ok") == 4
     with pytest.raises(KeyError):
         metric_in_text(text, "t_missing_total")
+
+
+def test_a_scrape_sums_the_samples_whose_labels_include_the_ones_named() -> None:
+    """What the real-engine suites read of another process's /metrics: an engine's extra
+    labels need not be named, a sample nobody exposes reads as 0, buckets by bound."""
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 2.0\n'
+        'vllm:num_requests_running{engine="1",model_name="tiny"} 3.0\n'
+        "# TYPE t_latency_seconds histogram\n"
+        't_latency_seconds_bucket{le="0.1"} 1.0\n'
+        't_latency_seconds_bucket{le="+Inf"} 4.0\n'
+        "t_latency_seconds_count 4.0\n"
+        "t_latency_seconds_sum 2.0\n"
+    )
+    scraped = parse_metrics(text)
+    assert scraped.value("vllm:num_requests_running") == 5
+    assert scraped.value("vllm:num_requests_running", engine="1") == 3
+    assert scraped.value("vllm:num_requests_waiting") == 0
+    assert scraped.buckets("t_latency_seconds") == {0.1: 1.0, math.inf: 4.0}
+
+
+def test_histogram_quantile_reads_what_happened_between_two_scrapes() -> None:
+    """Linear interpolation inside the bucket the quantile falls in, as Prometheus does;
+    beyond the last finite bucket its bound; NaN when nothing was observed."""
+
+    def scrape(fast: int, slow: int, slower: int) -> str:
+        return (
+            "# TYPE t_seconds histogram\n"
+            f't_seconds_bucket{{le="1.0"}} {fast}\n'
+            f't_seconds_bucket{{le="2.0"}} {fast + slow}\n'
+            f't_seconds_bucket{{le="+Inf"}} {fast + slow + slower}\n'
+        )
+
+    before, after = parse_metrics(scrape(5, 0, 0)), parse_metrics(scrape(7, 2, 1))
+    assert histogram_quantile(0.4, before, after, "t_seconds") == 1.0  # rank 2 of 5: bound 1
+    assert histogram_quantile(0.6, before, after, "t_seconds") == 1.5
+    assert histogram_quantile(0.99, before, after, "t_seconds") == 2.0
+    assert math.isnan(histogram_quantile(0.5, before, before, "t_seconds"))
+
+
+def test_wait_until_returns_the_seconds_it_took_or_fails_with_a_message() -> None:
+    """The blocking wait of the real-engine suites: seconds until the predicate held, or an
+    AssertionError naming what was awaited."""
+    calls: list[int] = []
+
+    def third_time() -> bool:
+        calls.append(1)
+        return len(calls) == 3
+
+    assert 0 <= wait_until(third_time, 5, "the third call", interval=0.001) < 1
+    with pytest.raises(AssertionError, match="waiting for the engine to listen"):
+        wait_until(lambda: False, 0.02, "the engine to listen", interval=0.005)
 
 
 async def test_poll_until_returns_what_the_condition_found() -> None:

@@ -8,8 +8,10 @@ import pytest
 
 from tether_fake_engine import GenerationState
 
-from .conftest import FakeEngineFactory, TetherFactory, chat_body, url
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, url
 from .support.metrics import metric
+from .support.upstreams import FakeEngineFactory
 
 
 async def test_request_timeout_before_the_response_is_a_504(

@@ -20,16 +20,12 @@ from opentelemetry.trace import SpanKind
 
 from proxy.runner import TetherServer
 
-from .conftest import (
-    FakeEngineFactory,
-    TetherProcessFactory,
-    chat_body,
-    drained,
-    make_settings,
-    settled,
-    url,
-)
+from .support.chat import chat_body
+from .support.in_process import drained, settled, url
+from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient
+from .support.settings import make_settings
+from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"

@@ -6,7 +6,8 @@ import socket
 
 import aiohttp
 
-from .conftest import TetherFactory, chat_body, url
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, url
 from .support.metrics import metric
 from .support.net import free_port
 

@@ -13,16 +13,11 @@ from multidict import CIMultiDict
 
 from proxy.upstream import UpstreamClient
 
-from .conftest import (
-    FakeEngineFactory,
-    SettingsFactory,
-    TetherFactory,
-    chat_body,
-    drained,
-    settled,
-    url,
-)
+from .support.chat import chat_body
+from .support.in_process import TetherFactory, drained, settled, url
 from .support.raw_http import RawClient
+from .support.settings import SettingsFactory
+from .support.upstreams import FakeEngineFactory
 
 CountingEngineFactory = Callable[..., Awaitable[tuple[str, list[int]]]]
 

@@ -27,7 +27,7 @@ import websockets
 
 from proxy.runner import TetherServer
 
-from .conftest import TetherFactory, admin_url, settled, url
+from .support.in_process import TetherFactory, admin_url, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient, request_head
 from .support.realtime_engine import RealtimeEngine, Session, realtime_engine

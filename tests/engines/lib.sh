@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Helpers sourced by the setup scripts in this directory (vllm_cpu.sh, sglang_cpu.sh,
-# aiperf.sh, tiny_model.sh). Not a script of its own.
+# Helpers sourced by the setup scripts in this directory (vllm_cpu.sh, vllm_realtime.sh,
+# sglang_cpu.sh, aiperf.sh, tiny_model.sh). Not a script of its own.
 
 # log MESSAGE...: on stderr, prefixed with the running script's name.
 log() { printf '[%s] %s\n' "$(basename "$0")" "$*" >&2; }
@@ -32,6 +32,11 @@ new_venv() {
   "$py" -m venv "$VENV"
 }
 
+# purelib: $VENV's site-packages directory.
+purelib() {
+  "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+}
+
 # publish_engine PREFIX VERSION: the tiny local model in $MODEL, then PREFIX_PYTHON,
 # PREFIX_MODEL and PREFIX_VERSION in $ENV_FILE (a line each) and on stdout (one line), as
 # the suites read them.
@@ -40,4 +45,65 @@ publish_engine() {
   local line="$1_PYTHON=$VENV/bin/python $1_MODEL=$MODEL $1_VERSION=$2"
   printf '%s\n' "$line" | tr ' ' '\n' >"$ENV_FILE"
   printf '%s\n' "$line"
+}
+
+# patch_torchvision DIR: make the torchvision in DIR (a site-packages or --target directory)
+# import beside CPU torch, with $VENV's python. Its PyPI build is CUDA: its C++ ops cannot
+# load beside CPU torch, and _meta_registrations.py then fails at import ("operator
+# torchvision::nms does not exist") because two of its decorators skip the `_has_ops()` guard
+# the file uses everywhere else. The patched file names the script that patched it.
+patch_torchvision() {
+  "$VENV/bin/python" - "$1" "$(basename "$0")" <<'PY' >&2
+import pathlib
+import sys
+
+path = pathlib.Path(sys.argv[1]) / "torchvision" / "_meta_registrations.py"
+text = path.read_text()
+guard = f'''
+
+def register_fake_if_ops(op_name):
+    # Patched by tether's tests/engines/{sys.argv[2]}: the CUDA build's ops do not load
+    # beside CPU torch; register fakes only when they did, as register_meta does.
+    if torchvision.extension._has_ops():
+        return torch.library.register_fake(op_name)
+    return lambda fn: fn
+'''
+anchor = '\n\n@register_meta("roi_align")'
+assert anchor in text and "@torch.library.register_fake(" in text, "torchvision changed"
+text = text.replace("@torch.library.register_fake(", "@register_fake_if_ops(")
+path.write_text(text.replace(anchor, guard + anchor, 1))
+print("patched", path)
+PY
+}
+
+# train_tokenizer PYTHON DIR SPECIAL...: DIR/tokenizer.json, a byte-level BPE tokenizer of
+# 4096 tokens with these special tokens, trained with PYTHON (which has `tokenizers`) on local
+# text: that interpreter's own standard library, sorted, so the result is the same each time.
+train_tokenizer() {
+  local python="$1"
+  shift
+  "$python" - "$@" <<'PY' >&2
+import pathlib
+import sys
+import sysconfig
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+out = pathlib.Path(sys.argv[1])
+specials = sys.argv[2:]
+stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+files = sorted(str(p) for p in stdlib.glob("*.py"))[:200]
+tok = Tokenizer(models.BPE(unk_token=None))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.post_processor = processors.ByteLevel(trim_offsets=False)
+trainer = trainers.BpeTrainer(
+    vocab_size=4096,
+    special_tokens=specials,
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+)
+tok.train(files, trainer)
+tok.save(str(out / "tokenizer.json"))
+PY
 }

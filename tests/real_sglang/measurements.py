@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..real_vllm.measurements import Measurements
+from ..support.real_engine.measurements import Measurements
 
 IDLE_TOPIC = "client close -> SGLang idle: "
 VIA_SGLANG_ALONE = "SGLang alone (s)"

@@ -1,20 +1,25 @@
-"""Starting and stopping the real SGLang (CPU) the suite drives; tether and the process
-plumbing (spawn, readiness, core pinning) are shared with the real-vLLM suite."""
+"""Starting and stopping the real SGLang (CPU) the suite drives, in its configurations; tether
+in front of it and the process plumbing (spawn, readiness, core pinning) come from
+`tests.support`, shared with the real-vLLM suite."""
 
 from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
 from dataclasses import dataclass
 
-from ..real_vllm.observe import LogFile
-from ..real_vllm.processes import REPO, Process, Tether, on_core, spawn, wait_ready
-from ..real_vllm.processes import start_tether as start_any_tether
 from ..support.net import free_port
+from ..support.processes import on_core, spawn
+from ..support.real_engine.stacks import (
+    MODEL_NAME,
+    EngineServer,
+    EngineStack,
+    in_front_of,
+    run_setup_script,
+)
+from ..support.real_engine.tether import Tether
+from ..support.real_engine.tether import start_tether as start_any_tether
 
-SETUP_SCRIPT = REPO / "tests" / "engines" / "sglang_cpu.sh"
-MODEL_NAME = "tiny"
 SGLANG_READY_TIMEOUT = 240.0
 # What clients send with `--api-key`; what SGLang's admin routes want with `--admin-api-key`.
 API_KEY = "real-sglang-suite-api-key"
@@ -30,11 +35,8 @@ class SglangInstall:
 
 
 def install_engine() -> SglangInstall:
-    """Run the (idempotent, cached) setup script and read its last line."""
-    result = subprocess.run(
-        ["bash", str(SETUP_SCRIPT)], check=True, capture_output=True, text=True, timeout=1200
-    )
-    values = dict(item.split("=", 1) for item in result.stdout.strip().splitlines()[-1].split())
+    """Run the (idempotent, cached) setup script, tests/engines/sglang_cpu.sh."""
+    values = run_setup_script("sglang_cpu.sh")
     return SglangInstall(
         pathlib.Path(values["SGLANG_PYTHON"]), pathlib.Path(values["SGLANG_MODEL"])
     )
@@ -86,20 +88,8 @@ CONFIGS = {
 }
 
 
-@dataclass
-class SglangServer:
-    config: SglangConfig
-    port: int
-    process: Process
-    ready_seconds: float
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> LogFile:
-        return self.process.log
+class SglangServer(EngineServer[SglangConfig]):
+    """SGLang running in one configuration."""
 
     @property
     def client_headers(self) -> dict[str, str]:
@@ -166,7 +156,7 @@ def start_sglang(
         *config.flags(),
     ]
     process = spawn(argv, env, log_dir / f"sglang-{config.name}.log")
-    ready = wait_ready(process, f"http://127.0.0.1:{port}/health", SGLANG_READY_TIMEOUT, "SGLang")
+    ready = process.wait_ready(f"http://127.0.0.1:{port}/health", SGLANG_READY_TIMEOUT, "SGLang")
     return SglangServer(config, port, process, ready)
 
 
@@ -180,32 +170,17 @@ def start_tether(
     return start_any_tether(sglang.url, log_path, "sglang", {**defaults, **(settings or {})})
 
 
-@dataclass
-class Stack:
+class Stack(EngineStack[SglangServer]):
     """A real SGLang with tether in front of it."""
 
-    sglang: SglangServer
-    tether: Tether
-
     @property
-    def name(self) -> str:
-        return self.sglang.config.name
-
-    @property
-    def engine_ready_seconds(self) -> float:
-        return self.sglang.ready_seconds
-
-    def stop(self) -> None:
-        self.tether.process.stop()
-        self.sglang.process.stop()
+    def sglang(self) -> SglangServer:
+        return self.engine
 
 
 def start_stack(name: str, install: SglangInstall, log_dir: pathlib.Path) -> Stack:
     """SGLang in configuration `name`, and tether in front of it."""
     sglang = start_sglang(CONFIGS[name], install, log_dir)
-    try:
-        tether = start_tether(sglang, log_dir / f"tether-{name}.log")
-    except BaseException:
-        sglang.process.stop()
-        raise
-    return Stack(sglang, tether)
+    return in_front_of(
+        sglang, lambda engine: start_tether(engine, log_dir / f"tether-{name}.log"), Stack
+    )

@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 
-from ..real_vllm.observe import MetricsSnapshot, http_get, scrape, wait_until
-from ..real_vllm.processes import Tether
-from ..real_vllm.raw_http import RawExchange
-from .processes import ADMIN_KEY, DEFAULT, MODEL_NAME, WITH_API_KEY, Stack
+from ..support.blocking_http import http_get
+from ..support.metrics import MetricsSnapshot, scrape
+from ..support.raw_http import RawExchange
+from ..support.real_engine.stacks import MODEL_NAME
+from ..support.real_engine.tether import Tether
+from ..support.waiting import wait_until
+from .processes import ADMIN_KEY, DEFAULT, WITH_API_KEY, Stack
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -207,15 +210,7 @@ def finished_rids(stack: Stack, mark: int, reason: str) -> list[str]:
 
 def tether_events(tether: Tether, mark: int, event: str) -> list[dict[str, Any]]:
     """tether's JSON log entries called `event`, written after `mark`."""
-    entries = []
-    for line in tether.log.text_since(mark).splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict) and entry.get("event") == event:
-            entries.append(entry)
-    return entries
+    return tether.log.json_lines(mark, event)
 
 
 def internal_id_of(tether: Tether, mark: int, client_request_id: str) -> list[str]:

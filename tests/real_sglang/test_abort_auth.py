@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..real_vllm.measurements import Measurements
-from ..real_vllm.observe import wait_until
-from ..real_vllm.processes import Tether
-from ..real_vllm.raw_http import RawExchange
+from ..support.raw_http import RawExchange
+from ..support.real_engine.measurements import Measurements
+from ..support.real_engine.tether import Tether
+from ..support.waiting import wait_until
 from .processes import Stack
 from .scenarios import (
     CHAT_PATH,

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ..real_vllm.measurements import Measurements
-from ..real_vllm.observe import wait_until
+from ..support.real_engine.measurements import Measurements
+from ..support.waiting import wait_until
 from .processes import Stack
 from .scenarios import (
     CHAT_PATH,

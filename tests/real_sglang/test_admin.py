@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..real_vllm.measurements import Measurements
+from ..support.real_engine.measurements import Measurements
 from .processes import Stack
 from .scenarios import (
     CHAT_PATH,

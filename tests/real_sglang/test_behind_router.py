@@ -12,15 +12,16 @@ import pathlib
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from ..real_vllm.measurements import Measurements
-from ..real_vllm.observe import http_get, wait_until
-from ..real_vllm.processes import Router, Tether, router_in_front_of
-from ..real_vllm.raw_http import RawExchange, streams_side_by_side
-from ..support.smg import FAST_HEALTH_CHECKS, SKIP_REASON, smg_executable
+from ..support.blocking_http import http_get
+from ..support.raw_http import RawExchange, streams_side_by_side
+from ..support.real_engine.measurements import Measurements
+from ..support.real_engine.tether import Tether
+from ..support.smg import FAST_HEALTH_CHECKS, SKIP_REASON, Smg, smg_executable, smg_log, smg_process
+from ..support.waiting import wait_until
 from .processes import DEFAULT, ONE_SLOT, Stack
 from .scenarios import (
     CHAT_PATH,
@@ -48,17 +49,6 @@ RUNS = {"streaming": 3, "non-streaming": 2, "queued": 2}
 GENERATED_BEFORE_LEAVING = 20
 
 
-@pytest.fixture
-def router(stack: Stack, log_dir: pathlib.Path, request: pytest.FixtureRequest) -> Iterator[Router]:
-    """smg in front of the stack's tether; a test starts more with `router_in_front_of`."""
-    with router_in_front_of(stack.tether.url, _log(log_dir, request, "tether")) as started:
-        yield started
-
-
-def _log(log_dir: pathlib.Path, request: pytest.FixtureRequest, what: str) -> pathlib.Path:
-    return log_dir / f"smg-{request.node.name}-{what}.log".replace("/", "_")
-
-
 def _counters(stack: Stack) -> tuple[float, float]:
     """SGLang's (generated, prompt) token counters; it adds a request's when it ends."""
     metrics = sglang_metrics(stack)
@@ -68,7 +58,7 @@ def _counters(stack: Stack) -> tuple[float, float]:
     )
 
 
-def _leave(stack: Stack, router: Router, phase: str, client_request_id: str) -> tuple[float, float]:
+def _leave(stack: Stack, router: Smg, phase: str, client_request_id: str) -> tuple[float, float]:
     """A raw client asks `router` for a long chat and leaves in `phase`; (seconds from its
     close until SGLang holds nothing of it, tokens SGLang generated after the close)."""
     if phase != "queued":  # (a queued one waits behind the stream that holds the slot)
@@ -115,7 +105,7 @@ def _setting(stack: Stack, phase: str, rid: str) -> contextlib.AbstractContextMa
 )
 def test_a_client_leaving_at_the_router_is_aborted_in_sglang_by_tether(
     stack: Stack,
-    router: Router,
+    router: Smg,
     log_dir: pathlib.Path,
     request: pytest.FixtureRequest,
     measurements: Measurements,
@@ -126,7 +116,7 @@ def test_a_client_leaving_at_the_router_is_aborted_in_sglang_by_tether(
     it), tether counts the abort `confirmed`, and SGLang holds nothing of it within a second.
     Through smg straight to SGLang nobody calls `/abort_request`: SGLang stops it itself, a
     non-streaming or queued one only at its 4 s poll."""
-    with router_in_front_of(stack.sglang.url, _log(log_dir, request, "sglang")) as straight:
+    with smg_process(stack.sglang.url, smg_log(log_dir, request, "sglang")) as straight:
         for run in range(RUNS[phase]):
             via_id = f"smg-{phase}-via-{run}"
             sglang_mark, tether_mark = stack.sglang.log.mark(), stack.tether.log.mark()
@@ -160,7 +150,7 @@ def test_a_client_leaving_at_the_router_is_aborted_in_sglang_by_tether(
                 measurements.add(topic, "smg -> SGLang: tokens after close", alone_tokens)
 
 
-def _streams(router: Router, client_request_id: str) -> list[list[str]]:
+def _streams(router: Smg, client_request_id: str) -> list[list[str]]:
     """Two concurrent short streams through `router` with one X-Request-Id; for each, the
     X-Request-Id answered followed by every chunk's `id`."""
     headers = {"X-Request-Id": client_request_id}
@@ -169,7 +159,7 @@ def _streams(router: Router, client_request_id: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("stack", [DEFAULT.name], indirect=True)
 def test_two_clients_with_one_id_stay_distinct_in_sglang(
-    stack: Stack, router: Router, log_dir: pathlib.Path, request: pytest.FixtureRequest
+    stack: Stack, router: Smg, log_dir: pathlib.Path, request: pytest.FixtureRequest
 ) -> None:
     """Two concurrent clients with the same X-Request-Id through smg → tether run in SGLang
     under two of tether's rids and each gets its ID back in the header and every chunk;
@@ -181,7 +171,7 @@ def test_two_clients_with_one_id_stay_distinct_in_sglang(
     rids = received_rids(stack, mark)
     assert len(rids) == 2 == len(set(rids)) and all(INTERNAL_ID.match(r) for r in rids), rids
 
-    with router_in_front_of(stack.sglang.url, _log(log_dir, request, "sglang")) as straight:
+    with smg_process(stack.sglang.url, smg_log(log_dir, request, "sglang")) as straight:
         mark = stack.sglang.log.mark()
         answers = _streams(straight, "smg-shared-id")
     rids = received_rids(stack, mark)
@@ -199,28 +189,20 @@ def test_router_discovers_and_health_checks_sglang_through_tether(
     answered by SGLang through tether, and its `/health` checks (each one SGLang's
     `/health_generate`) pass through to SGLang; a chat routed by it comes back with the
     client's ID."""
-    health_before = _proxied(stack.tether, "/health")
-    log = _log(log_dir, request, "tether")
-    with router_in_front_of(stack.tether.url, log, *FAST_HEALTH_CHECKS) as router:
-        status, body = http_get(router.url + "/v1/models")
+    health_before = stack.tether.relayed("/health")
+    log = smg_log(log_dir, request, "tether")
+    with smg_process(stack.tether.url, log, *FAST_HEALTH_CHECKS) as router:
+        status, body = http_get(router.url("/v1/models"))
         assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["tiny"]
-        status, body = http_get(router.url + "/workers")
+        status, body = http_get(router.url("/workers"))
         [worker] = json.loads(body)["workers"]
         assert worker["url"] == stack.tether.url and worker["is_healthy"], worker
-        assert _proxied(stack.tether, "/v1/models") >= 1
+        assert stack.tether.relayed("/v1/models") >= 1
         # smg checks every second here; SGLang answers each after >= 1 s.
-        wait_until(
-            lambda: _proxied(stack.tether, "/health") >= health_before + 2, 15, "smg's checks"
-        )
+        wait_until(lambda: stack.tether.relayed("/health") >= health_before + 2, 15, "smg's checks")
         with RawExchange(router.port, CHAT_PATH, chat(5, False), {"X-Request-Id": "smg-ok"}) as ex:
             assert ex.read_head() == 200
             assert json.loads(ex.body())["id"] == "smg-ok"
-
-
-def _proxied(tether: Tether, route: str) -> float:
-    """Requests tether relayed on `route` that SGLang answered 2xx (tether's own readiness
-    checks are not counted there)."""
-    return tether.metrics().value("tether_requests_total", route=route, status_class="2xx")
 
 
 @pytest.mark.parametrize("stack", [DEFAULT.name], indirect=True)
@@ -235,7 +217,7 @@ def test_preserve_mode_keeps_the_id_smg_sends_and_aborts_by_it(
     (the client's, a router-style UUID of fixed length) as its rid, and a client leaving is
     aborted by exactly that rid, confirmed."""
     preserving = own_tether({"TETHER_REQUEST_ID_MODE": "preserve"})
-    with router_in_front_of(preserving.url, _log(log_dir, request, "tether")) as router:
+    with smg_process(preserving.url, smg_log(log_dir, request, "tether")) as router:
         client_request_id = uuid.uuid4().hex
         sglang_mark, tether_mark = stack.sglang.log.mark(), preserving.log.mark()
         exchange = RawExchange(

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from ..real_vllm.measurements import Measurements
-from ..real_vllm.raw_http import RawExchange
+from ..support.raw_http import RawExchange
+from ..support.real_engine.measurements import Measurements
 from .measurements import IDLE_TOPIC, VIA_SGLANG_ALONE, VIA_TETHER
 from .processes import DEFAULT, ONE_SLOT, Stack
 from .scenarios import (

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ..real_vllm.measurements import Measurements
+from ..support.real_engine.measurements import Measurements
 from .processes import TWO_TOKENIZER_WORKERS, Stack
 from .scenarios import CHAT_PATH, LONG, chat, direct, via_tether, wait_load, wait_sglang_idle
 

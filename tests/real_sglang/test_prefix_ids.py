@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from ..real_vllm.observe import wait_until
-from .processes import MODEL_NAME, Stack
+from ..support.real_engine.stacks import MODEL_NAME
+from ..support.waiting import wait_until
+from .processes import Stack
 from .scenarios import (
     CHAT_PATH,
     GIVE_UP,

@@ -8,9 +8,14 @@ import time
 
 import pytest
 
-from ..real_vllm.clients import install_aiperf, openai_client, run_with_cancellations
-from ..real_vllm.measurements import Measurements
-from .processes import MODEL_NAME, SglangInstall, Stack
+from ..support.real_engine.clients import (
+    install_aiperf,
+    openai_completion,
+    openai_stream,
+    run_with_cancellations,
+)
+from ..support.real_engine.measurements import Measurements
+from .processes import SglangInstall, Stack
 from .scenarios import (
     LONG,
     PROMPTLY,
@@ -32,21 +37,8 @@ def test_openai_sdk_stream_closed_early_aborts_in_sglang(
 ) -> None:
     """The openai SDK: break out of a stream after a few chunks and close it; SGLang aborts
     tether's rid at once, and every chunk carried the client's own ID."""
-    client = openai_client(stack.tether)
     mark = stack.sglang.log.mark()
-    stream = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=LONG,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": "openai-sdk-stream-1"},
-    )
-    ids = []
-    for chunk in stream:
-        ids.append(chunk.id)
-        if len(ids) == 5:
-            break
+    stream, ids = openai_stream(stack.tether, "openai-sdk-stream-1", LONG, chunks=5)
     internal_request_id = stack.tether.wait_in_flight("openai-sdk-stream-1")["internal_request_id"]
     closed_at = time.monotonic()
     stream.close()
@@ -61,14 +53,7 @@ def test_openai_sdk_stream_closed_early_aborts_in_sglang(
 @on_default
 def test_openai_sdk_non_streaming_sees_client_id(stack: Stack) -> None:
     """The openai SDK gets its X-Request-Id back in the header and as the completion's ID."""
-    client = openai_client(stack.tether)
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=16,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": "openai-sdk-plain-1"},
-    )
+    raw = openai_completion(stack.tether, "openai-sdk-plain-1", max_tokens=16)
     completion = raw.parse()
     assert raw.headers.get("x-request-id") == "openai-sdk-plain-1"
     assert completion.id == "openai-sdk-plain-1"

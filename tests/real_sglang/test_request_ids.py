@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ..real_vllm.raw_http import RawExchange
+from ..support.raw_http import RawExchange
 from .processes import Stack
 from .scenarios import (
     CHAT_PATH,

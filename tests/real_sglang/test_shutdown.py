@@ -8,8 +8,8 @@ import signal
 import time
 from collections.abc import Callable
 
-from ..real_vllm.measurements import Measurements
-from ..real_vllm.processes import Tether
+from ..support.real_engine.measurements import Measurements
+from ..support.real_engine.tether import Tether
 from .processes import Stack
 from .scenarios import (
     CHAT_PATH,

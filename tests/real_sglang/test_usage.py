@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from ..real_vllm.measurements import Measurements
-from ..real_vllm.observe import wait_until
+from ..support.real_engine.measurements import Measurements
+from ..support.waiting import wait_until
 from .processes import Stack
 from .scenarios import (
     CHAT_PATH,

@@ -1,36 +1,25 @@
-"""Starting and stopping the real processes the suite drives: vLLM (CPU build) and tether."""
+"""Starting and stopping the real vLLM (CPU build) the suite drives, in its configurations;
+tether in front of it and the process plumbing come from `tests.support`."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
 
-import pytest
+from ..support.net import free_port
+from ..support.processes import on_core, spawn
+from ..support.real_engine.stacks import (
+    MODEL_NAME,
+    EngineServer,
+    EngineStack,
+    in_front_of,
+    run_setup_script,
+)
+from ..support.real_engine.tether import start_tether
 
-from ..support.net import free_port, free_ports
-from ..support.smg import smg_command
-from .measurements import Measurements
-from .observe import LogFile, MetricsSnapshot, http_get, http_post_json, scrape, wait_until
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SETUP_SCRIPT = REPO / "tests" / "engines" / "vllm_cpu.sh"
-REALTIME_SETUP_SCRIPT = REPO / "tests" / "engines" / "vllm_realtime.sh"
 HERE = pathlib.Path(__file__).resolve().parent
-MODEL_NAME = "tiny"
 VLLM_READY_TIMEOUT = 240.0
-TETHER_READY_TIMEOUT = 30.0
-ROUTER_READY_TIMEOUT = 30.0
-ADMIN_TOKEN = "real-vllm-suite-token"
 
 
 @dataclass(frozen=True)
@@ -46,11 +35,8 @@ class EngineInstall:
 
 
 def install_engine() -> EngineInstall:
-    """Run the (idempotent, cached) setup script and read its last line."""
-    result = subprocess.run(
-        ["bash", str(SETUP_SCRIPT)], check=True, capture_output=True, text=True, timeout=1200
-    )
-    values = dict(item.split("=", 1) for item in result.stdout.strip().splitlines()[-1].split())
+    """Run the (idempotent, cached) setup script, tests/engines/vllm_cpu.sh."""
+    values = run_setup_script("vllm_cpu.sh")
     return EngineInstall(pathlib.Path(values["VLLM_PYTHON"]), pathlib.Path(values["VLLM_MODEL"]))
 
 
@@ -64,15 +50,8 @@ class RealtimeInstall:
 
 
 def install_realtime() -> RealtimeInstall:
-    """Run the (idempotent, cached) realtime setup script and read its last line."""
-    result = subprocess.run(
-        ["bash", str(REALTIME_SETUP_SCRIPT)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    values = dict(item.split("=", 1) for item in result.stdout.strip().splitlines()[-1].split())
+    """Run the (idempotent, cached) realtime setup script, tests/engines/vllm_realtime.sh."""
+    values = run_setup_script("vllm_realtime.sh")
     return RealtimeInstall(
         pathlib.Path(values["VLLM_REALTIME_MODEL"]),
         pathlib.Path(values["VLLM_REALTIME_PYTHONPATH"]),
@@ -142,82 +121,8 @@ CONFIGS = {
 }
 
 
-def on_core(core: int) -> list[str]:
-    """`taskset -c <core>` when the machine has that core and taskset, else nothing."""
-    if shutil.which("taskset") and (os.cpu_count() or 1) > core:
-        return ["taskset", "-c", str(core)]
-    return []
-
-
-@dataclass
-class Process:
-    """A child process in its own session, logging to a file."""
-
-    popen: subprocess.Popen[bytes]
-    log: LogFile
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if not self.alive():
-            return
-        os.killpg(self.popen.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(10)
-
-
-def spawn(argv: list[str], env: dict[str, str], log_path: pathlib.Path) -> Process:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        popen = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    return Process(popen, LogFile(log_path))
-
-
-def wait_ready(process: Process, url: str, timeout: float, what: str) -> float:
-    """Poll `url` until it answers 200; fail early, with the log's tail, if the process dies."""
-
-    def ready() -> bool:
-        if not process.alive():
-            raise AssertionError(
-                f"{what} exited ({process.popen.returncode}):\n{process.log.tail()}"
-            )
-        try:
-            return http_get(url, timeout=2.0)[0] == 200
-        except OSError:
-            return False
-
-    try:
-        return wait_until(ready, timeout, f"{what} at {url}", interval=0.2)
-    except AssertionError:
-        process.stop()
-        raise
-
-
-@dataclass
-class VllmServer:
-    config: VllmConfig
-    port: int
-    process: Process
-    ready_seconds: float
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> LogFile:
-        return self.process.log
+class VllmServer(EngineServer[VllmConfig]):
+    """vLLM running in one configuration."""
 
 
 def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path) -> VllmServer:
@@ -275,222 +180,21 @@ def start_vllm(config: VllmConfig, install: EngineInstall, log_dir: pathlib.Path
         argv += ["--api-server-count", str(config.api_servers)]
     argv += config.flags
     process = spawn(argv, env, log_dir / f"vllm-{config.name}.log")
-    ready = wait_ready(process, f"http://127.0.0.1:{port}/health", VLLM_READY_TIMEOUT, "vLLM")
+    ready = process.wait_ready(f"http://127.0.0.1:{port}/health", VLLM_READY_TIMEOUT, "vLLM")
     return VllmServer(config, port, process, ready)
 
 
-@dataclass
-class Tether:
-    port: int
-    admin_port: int
-    process: Process
-    ready_seconds: float
-    token: str = ADMIN_TOKEN
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-    @property
-    def log(self) -> LogFile:
-        return self.process.log
-
-    def metrics(self) -> MetricsSnapshot:
-        return scrape(self.admin_url + "/metrics")
-
-    def in_flight_requests(self) -> list[dict[str, Any]]:
-        """`GET /admin/requests`: what tether is serving now."""
-        status, body = http_get(
-            self.admin_url + "/admin/requests", headers={"Authorization": f"Bearer {self.token}"}
-        )
-        assert status == 200, f"GET /admin/requests answered {status}: {body[:200]!r}"
-        listing = json.loads(body)
-        if isinstance(listing, dict):  # tolerate {"requests": [...]}
-            listing = listing.get("requests", [])
-        return list(listing)
-
-    def wait_in_flight(self, client_request_id: str, timeout: float = 10.0) -> dict[str, Any]:
-        """The in-flight entry for `client_request_id`, once tether lists it."""
-        found: list[dict[str, Any]] = []
-
-        def listed() -> bool:
-            found[:] = [
-                r
-                for r in self.in_flight_requests()
-                if r.get("client_request_id") == client_request_id
-            ]
-            return bool(found)
-
-        wait_until(listed, timeout, f"{client_request_id} in tether's /admin/requests", 0.02)
-        return found[0]
-
-    def abort(self, client_request_id: str) -> tuple[int, bytes]:
-        """`POST /admin/abort` with the admin token; (status, body)."""
-        status, _, body = http_post_json(
-            self.admin_url + "/admin/abort",
-            {"request_id": client_request_id},
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=10,
-        )
-        return status, body
-
-
-def tether_executable() -> pathlib.Path:
-    """The `tether` console script of the venv running pytest."""
-    return pathlib.Path(sys.executable).parent / "tether"
-
-
-def start_tether(
-    upstream_url: str,
-    log_path: pathlib.Path,
-    engine: str = "vllm",
-    settings: dict[str, str] | None = None,
-) -> Tether:
-    """The `tether` console script on core 0, once its /readyz says ready; `settings` are
-    further TETHER_* variables."""
-    port, admin_port = free_ports(2)
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TETHER_")},
-        "TETHER_UPSTREAM_URL": upstream_url,
-        "TETHER_HOST": "127.0.0.1",
-        "TETHER_PORT": str(port),
-        "TETHER_ADMIN_HOST": "127.0.0.1",
-        "TETHER_ADMIN_PORT": str(admin_port),
-        "TETHER_ENGINE": engine,
-        "TETHER_ADMIN_TOKEN": ADMIN_TOKEN,
-        "TETHER_LOG_FORMAT": "json",
-        "TETHER_LOG_LEVEL": "debug",
-        **(settings or {}),
-    }
-    process = spawn([*on_core(0), str(tether_executable())], env, log_path)
-    ready = wait_ready(
-        process, f"http://127.0.0.1:{admin_port}/readyz", TETHER_READY_TIMEOUT, "tether"
-    )
-    return Tether(port, admin_port, process, ready)
-
-
-@dataclass
-class Router:
-    """smg (SGLang's model gateway) routing to one worker: tether, or an engine straight."""
-
-    port: int
-    worker_url: str
-    process: Process
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@contextmanager
-def router_in_front_of(worker_url: str, log_path: pathlib.Path, *extra: str) -> Iterator[Router]:
-    """smg on core 0 routing to `worker_url` (further `smg launch` options in `extra`), once
-    its `/readiness` says the worker is registered and healthy; stopped on exit."""
-    port, metrics_port = free_ports(2)
-    argv = [*on_core(0), *smg_command(worker_url, port, metrics_port, extra)]
-    process = spawn(argv, dict(os.environ), log_path)
-    try:
-        wait_ready(process, f"http://127.0.0.1:{port}/readiness", ROUTER_READY_TIMEOUT, "smg")
-        yield Router(port, worker_url, process)
-    finally:
-        process.stop()
-
-
-class EngineStack(Protocol):
-    """A real engine with tether in front of it, started for one configuration."""
-
-    tether: Tether
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def engine_ready_seconds(self) -> float: ...
-
-    def stop(self) -> None: ...
-
-
-StackT = TypeVar("StackT", bound=EngineStack)
-
-
-class StackPool(Generic[StackT]):
-    """Keeps at most one stack running (two engines would fight over one core); `start`
-    starts the stack of a configuration by its name."""
-
-    def __init__(self, start: Callable[[str], StackT]) -> None:
-        self._start = start
-        self._current: StackT | None = None
-        self.started: list[tuple[str, float, float]] = []
-        self.tether_error_lines: dict[str, int] = {}
-
-    def get(self, name: str) -> StackT:
-        if self._current is not None and self._current.name == name:
-            return self._current
-        self.close()
-        started = time.monotonic()
-        self._current = stack = self._start(name)
-        self.started.append((name, stack.engine_ready_seconds, time.monotonic() - started))
-        return stack
-
-    def close(self) -> None:
-        stack, self._current = self._current, None
-        if stack is not None:
-            log = stack.tether.log.text_since(0)
-            self.tether_error_lines[stack.name] = log.count('"level": "error"')
-            stack.stop()
-
-    def report(self, measurements: Measurements, engine: str) -> None:
-        """Start-up times and tether's error-level lines of every stack that ran."""
-        for name, engine_ready, total in self.started:
-            measurements.add("startup", f"{engine} {name} ready (s)", engine_ready)
-            measurements.add("startup", f"{engine} {name} + tether ready (s)", total)
-        for name, count in self.tether_error_lines.items():
-            measurements.add("tether log", f"{name}: error-level lines in tether's log", count)
-
-
-def suite_log_dir(
-    variable: str, tmp_path_factory: pytest.TempPathFactory, default_name: str
-) -> pathlib.Path:
-    """Where a suite keeps the engine's and tether's logs: `variable`'s directory when set
-    (CI prints the logs of a failed run from there), else a pytest temporary directory."""
-    configured = os.environ.get(variable)
-    if configured:
-        path = pathlib.Path(configured)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    return tmp_path_factory.mktemp(default_name)
-
-
-@dataclass
-class Stack:
+class Stack(EngineStack[VllmServer]):
     """A real vLLM with tether in front of it."""
 
-    vllm: VllmServer
-    tether: Tether
-
     @property
-    def name(self) -> str:
-        return self.vllm.config.name
-
-    @property
-    def engine_ready_seconds(self) -> float:
-        return self.vllm.ready_seconds
-
-    def stop(self) -> None:
-        self.tether.process.stop()
-        self.vllm.process.stop()
+    def vllm(self) -> VllmServer:
+        return self.engine
 
 
 def start_stack(name: str, install: EngineInstall, log_dir: pathlib.Path) -> Stack:
     """vLLM in configuration `name`, and tether in front of it."""
     vllm = start_vllm(CONFIGS[name], install, log_dir)
-    try:
-        tether = start_tether(vllm.url, log_dir / f"tether-{name}.log")
-    except BaseException:
-        vllm.process.stop()
-        raise
-    return Stack(vllm, tether)
+    return in_front_of(
+        vllm, lambda engine: start_tether(engine.url, log_dir / f"tether-{name}.log"), Stack
+    )

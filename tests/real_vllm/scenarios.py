@@ -12,17 +12,18 @@ from typing import Any
 
 import pytest
 
-from .observe import MetricsSnapshot, scrape, wait_until
+from ..support.metrics import MetricsSnapshot, scrape
+from ..support.raw_http import RawExchange, request_head
+from ..support.real_engine.stacks import MODEL_NAME
+from ..support.waiting import wait_until
 from .processes import (
     DEFAULT,
     DEV_MODE,
     DEV_MODE_WITH_MIDDLEWARE,
-    MODEL_NAME,
     TRANSPARENCY,
     WITH_MIDDLEWARE,
     Stack,
 )
-from .raw_http import RawExchange
 
 CHAT_PATH = "/v1/chat/completions"
 INTERNAL_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -315,12 +316,12 @@ class Saturation:
         body = json.dumps(chat(LONG, stream=True)).encode()
         for index in range(self._count):
             sock = socket.create_connection(("127.0.0.1", self._stack.vllm.port), timeout=30)
-            head = (
-                f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                f"Content-Type: application/json\r\nX-Request-Id: saturate-{index}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n"
-            )
-            sock.sendall(head.encode() + body)
+            fields = [
+                ("Content-Type", "application/json"),
+                ("X-Request-Id", f"saturate-{index}"),
+                ("Content-Length", str(len(body))),
+            ]
+            sock.sendall(request_head(CHAT_PATH, headers=fields, host="127.0.0.1") + body)
             self._streams.append(sock)
         wait_until(
             lambda: vllm_metrics(self._stack).value("vllm:num_requests_running") == self._count,

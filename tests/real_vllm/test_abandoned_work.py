@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from .measurements import Measurements
-from .observe import MetricsSnapshot, histogram_quantile, wait_until
+from ..support.metrics import MetricsSnapshot, histogram_quantile
+from ..support.real_engine.measurements import Measurements
+from ..support.waiting import wait_until
 from .processes import DEV_MODE, Stack
 from .scenarios import on_default_and_dev, tether_metrics, vllm_load, vllm_metrics
 from .workload import Departure, Fate, mixed_plans, run_mixed

@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 
-from .measurements import Measurements
-from .observe import http_post_json, wait_until
-from .processes import MODEL_NAME, Stack
-from .raw_http import RawExchange
+from ..support.blocking_http import http_post_json
+from ..support.raw_http import RawExchange
+from ..support.real_engine.measurements import Measurements
+from ..support.real_engine.stacks import MODEL_NAME
+from ..support.waiting import wait_until
+from .processes import Stack
 from .scenarios import (
     LONG,
     ROUTES,

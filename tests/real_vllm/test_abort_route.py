@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from .measurements import Measurements
-from .observe import http_post_json
+from ..support.blocking_http import http_post_json
+from ..support.real_engine.measurements import Measurements
 from .processes import Stack
 from .scenarios import (
     LONG,

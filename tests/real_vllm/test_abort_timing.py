@@ -7,8 +7,9 @@ import socket
 import threading
 import time
 
-from .measurements import Measurements
-from .observe import wait_until
+from ..support.raw_http import request_head
+from ..support.real_engine.measurements import Measurements
+from ..support.waiting import wait_until
 from .processes import Stack
 from .scenarios import (
     CHAT_PATH,
@@ -38,11 +39,8 @@ class _ReadingClient:
     def __init__(self, port: int) -> None:
         body = json.dumps(chat(LONG, stream=True)).encode()
         self._sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-        head = (
-            f"POST {CHAT_PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        self._sock.sendall(head.encode() + body)
+        fields = [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        self._sock.sendall(request_head(CHAT_PATH, headers=fields, host="127.0.0.1") + body)
         self.got_data = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -11,16 +11,17 @@ import pathlib
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 
-from ..support.smg import FAST_HEALTH_CHECKS, SKIP_REASON, smg_executable
-from .measurements import Measurements
-from .observe import http_get, wait_until
-from .processes import Router, Stack, router_in_front_of, start_tether
-from .raw_http import RawExchange, streams_side_by_side
+from ..support.blocking_http import http_get
+from ..support.raw_http import RawExchange, streams_side_by_side
+from ..support.real_engine.measurements import Measurements
+from ..support.real_engine.tether import start_tether
+from ..support.smg import FAST_HEALTH_CHECKS, SKIP_REASON, Smg, smg_executable, smg_log, smg_process
+from ..support.waiting import wait_until
+from .processes import Stack
 from .scenarios import (
     CHAT_PATH,
     INTERNAL_ID,
@@ -46,24 +47,13 @@ NON_STREAMING_AFTER = 40
 TOPIC = "behind smg"
 
 
-@pytest.fixture
-def router(stack: Stack, log_dir: pathlib.Path, request: pytest.FixtureRequest) -> Iterator[Router]:
-    """smg in front of the stack's tether; a test starts more with `router_in_front_of`."""
-    with router_in_front_of(stack.tether.url, _log(log_dir, request, "tether")) as router:
-        yield router
-
-
-def _log(log_dir: pathlib.Path, request: pytest.FixtureRequest, what: str) -> pathlib.Path:
-    return log_dir / f"smg-{request.node.name}-{what}.log".replace("/", "_")
-
-
 def _setting(stack: Stack, phase: str) -> AbstractContextManager[object]:
     """For a client that leaves before its first byte, vLLM's 16 slots filled, so its request
     waits in the queue."""
     return Saturation(stack) if phase == "queued" else nullcontext()
 
 
-def _leave(stack: Stack, router: Router, phase: str, client_request_id: str) -> tuple[float, float]:
+def _leave(stack: Stack, router: Smg, phase: str, client_request_id: str) -> tuple[float, float]:
     """A raw client asks `router` for a long chat and leaves in `phase`; (seconds from its
     close until vLLM holds nothing of it, tokens vLLM generated after the close)."""
     body = chat(LONG, stream=phase == "streaming")
@@ -102,7 +92,7 @@ def _leave(stack: Stack, router: Router, phase: str, client_request_id: str) -> 
 @pytest.mark.parametrize("phase", ["streaming", "non-streaming", "queued"])
 def test_a_client_leaving_at_the_router_is_aborted_in_vllm_by_tether(
     stack: Stack,
-    router: Router,
+    router: Smg,
     log_dir: pathlib.Path,
     request: pytest.FixtureRequest,
     measurements: Measurements,
@@ -113,8 +103,8 @@ def test_a_client_leaving_at_the_router_is_aborted_in_vllm_by_tether(
     abort route (`Aborted request(s) chatcmpl-<id>.`), tether counts it `confirmed`, and vLLM
     holds nothing of it within 1.5 s. Through smg straight to vLLM nobody calls that route:
     vLLM stops the request itself once it sees the dropped connection."""
-    straight_log = _log(log_dir, request, "vllm")
-    with router_in_front_of(stack.vllm.url, straight_log) as straight:
+    straight_log = smg_log(log_dir, request, "vllm")
+    with smg_process(stack.vllm.url, straight_log) as straight:
         for run in range(RUNS[phase]):
             via_id, alone_id = f"smg-{phase}-via-{run}", f"smg-{phase}-alone-{run}"
             vllm_mark, tether_mark = stack.vllm.log.mark(), stack.tether.log.mark()
@@ -154,7 +144,7 @@ def _internal_id(stack: Stack, tether_mark: int, client_request_id: str) -> str:
     return internal
 
 
-def _streams(router: Router, client_request_id: str) -> list[list[str]]:
+def _streams(router: Smg, client_request_id: str) -> list[list[str]]:
     """Two concurrent short streams through `router` with one X-Request-Id; for each, the
     X-Request-Id answered followed by every chunk's `id`."""
     headers = {"X-Request-Id": client_request_id}
@@ -163,7 +153,7 @@ def _streams(router: Router, client_request_id: str) -> list[list[str]]:
 
 @on_dev_mode
 def test_two_clients_with_one_id_stay_distinct_in_vllm(
-    stack: Stack, router: Router, log_dir: pathlib.Path, request: pytest.FixtureRequest
+    stack: Stack, router: Smg, log_dir: pathlib.Path, request: pytest.FixtureRequest
 ) -> None:
     """Two concurrent clients with the same X-Request-Id through smg → tether run in vLLM
     under two internal IDs and each gets its ID back in the header and every chunk; through
@@ -174,7 +164,7 @@ def test_two_clients_with_one_id_stay_distinct_in_vllm(
     ids = received_ids(stack, mark)
     assert len(ids) == 2 == len(set(ids)) and all(INTERNAL_ID.match(i) for i in ids), ids
 
-    with router_in_front_of(stack.vllm.url, _log(log_dir, request, "vllm")) as straight:
+    with smg_process(stack.vllm.url, smg_log(log_dir, request, "vllm")) as straight:
         mark = stack.vllm.log.mark()
         _streams(straight, "smg-shared-id")
     assert received_ids(stack, mark) == ["smg-shared-id", "smg-shared-id"]
@@ -187,28 +177,22 @@ def test_router_discovers_and_health_checks_vllm_through_tether(
     """smg with tether's port as its worker URL registers vLLM's model from `/v1/models`
     answered by vLLM through tether, and its `/health` checks pass through to vLLM; a chat
     routed by it comes back with the client's ID."""
-    health_before = _proxied(stack, "/health")
+    health_before = stack.tether.relayed("/health")
     mark = stack.vllm.log.mark()
-    log = _log(log_dir, request, "tether")
-    with router_in_front_of(stack.tether.url, log, *FAST_HEALTH_CHECKS) as router:
-        status, body = http_get(router.url + "/v1/models")
+    log = smg_log(log_dir, request, "tether")
+    with smg_process(stack.tether.url, log, *FAST_HEALTH_CHECKS) as router:
+        status, body = http_get(router.url("/v1/models"))
         assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["tiny"]
-        status, body = http_get(router.url + "/workers")
+        status, body = http_get(router.url("/workers"))
         [worker] = json.loads(body)["workers"]
         assert worker["url"] == stack.tether.url and worker["is_healthy"], worker
         assert re.search(r'"GET /v1/models HTTP/1\.1" 200', stack.vllm.log.text_since(mark))
-        assert _proxied(stack, "/v1/models") >= 1
+        assert stack.tether.relayed("/v1/models") >= 1
         # smg checks every second here: two more checks, each one vLLM's answer.
-        wait_until(lambda: _proxied(stack, "/health") >= health_before + 2, 10, "smg's checks")
+        wait_until(lambda: stack.tether.relayed("/health") >= health_before + 2, 10, "smg's checks")
         with RawExchange(router.port, CHAT_PATH, chat(5, False), {"X-Request-Id": "smg-ok"}) as ex:
             assert ex.read_head() == 200
             assert json.loads(ex.body())["id"] == "chatcmpl-smg-ok"
-
-
-def _proxied(stack: Stack, route: str) -> float:
-    """Requests tether relayed on `route` that vLLM answered 2xx (tether's own readiness
-    checks are not counted there)."""
-    return stack.tether.metrics().value("tether_requests_total", route=route, status_class="2xx")
 
 
 @on_dev_mode
@@ -227,7 +211,7 @@ def test_preserve_mode_keeps_the_id_smg_sends_and_aborts_by_it(
         settings={"TETHER_REQUEST_ID_MODE": "preserve"},
     )
     try:
-        with router_in_front_of(preserving.url, _log(log_dir, request, "tether")) as router:
+        with smg_process(preserving.url, smg_log(log_dir, request, "tether")) as router:
             client_request_id = uuid.uuid4().hex
             vllm_mark, tether_mark = stack.vllm.log.mark(), preserving.log.mark()
             exchange = RawExchange(

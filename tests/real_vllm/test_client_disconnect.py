@@ -3,8 +3,8 @@ abort route (the default server also runs a user `--middleware`)."""
 
 from __future__ import annotations
 
-from .measurements import Measurements
-from .observe import wait_until
+from ..support.real_engine.measurements import Measurements
+from ..support.waiting import wait_until
 from .processes import Stack
 from .scenarios import (
     LONG,

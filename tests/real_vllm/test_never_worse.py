@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from .measurements import Measurements
-from .observe import wait_until
+from ..support.raw_http import RawExchange
+from ..support.real_engine.measurements import Measurements
+from ..support.waiting import wait_until
 from .processes import DEFAULT, DEV_MODE, DEV_MODE_TWO_API_SERVERS, WITH_MIDDLEWARE, Stack
-from .raw_http import RawExchange
 from .scenarios import CHAT_PATH, LONG, MIDDLEWARE_LAG, chat, generated_when_settled, vllm_metrics
 
 SEED = 19

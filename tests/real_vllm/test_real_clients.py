@@ -10,10 +10,16 @@ import subprocess
 
 import pytest
 
-from .clients import install_aiperf, openai_client, run_with_cancellations
-from .measurements import Measurements
-from .observe import wait_until
-from .processes import MODEL_NAME, EngineInstall, Stack, on_core
+from ..support.processes import on_core
+from ..support.real_engine.clients import (
+    install_aiperf,
+    openai_completion,
+    openai_stream,
+    run_with_cancellations,
+)
+from ..support.real_engine.measurements import Measurements
+from ..support.waiting import wait_until
+from .processes import EngineInstall, Stack
 from .scenarios import (
     CHAT_PATH,
     LONG,
@@ -33,21 +39,8 @@ def test_openai_sdk_stream_closed_early_aborts_in_vllm(
     stack: Stack, measurements: Measurements
 ) -> None:
     """The openai SDK: break out of a stream after a few chunks, close it, vLLM aborts."""
-    client = openai_client(stack.tether)
     mark = stack.vllm.log.mark()
-    stream = client.chat.completions.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "Tell me a long story."}],
-        max_tokens=LONG,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": "openai-sdk-stream-1"},
-    )
-    ids = []
-    for chunk in stream:
-        ids.append(chunk.id)
-        if len(ids) == 5:
-            break
+    stream, ids = openai_stream(stack.tether, "openai-sdk-stream-1", LONG, chunks=5)
     internal_request_id = wait_in_flight(stack, "openai-sdk-stream-1")["internal_request_id"]
     stream.close()
     elapsed = wait_vllm_idle(stack)
@@ -59,14 +52,7 @@ def test_openai_sdk_stream_closed_early_aborts_in_vllm(
 @on_default
 def test_openai_sdk_non_streaming_sees_client_id(stack: Stack) -> None:
     """The openai SDK gets its X-Request-Id back in the header and as chatcmpl-<id>."""
-    client = openai_client(stack.tether)
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL_NAME,
-        messages=[{"role": "user", "content": "hi"}],
-        max_tokens=16,
-        extra_body={"ignore_eos": True},
-        extra_headers={"X-Request-Id": "openai-sdk-plain-1"},
-    )
+    raw = openai_completion(stack.tether, "openai-sdk-plain-1", max_tokens=16)
     completion = raw.parse()
     assert raw.headers.get("x-request-id") == "openai-sdk-plain-1"
     assert completion.id == "chatcmpl-openai-sdk-plain-1"

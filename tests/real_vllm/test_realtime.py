@@ -28,9 +28,10 @@ from typing import Any
 import pytest
 from websockets.sync.client import connect
 
-from .measurements import Measurements
-from .observe import wait_until
-from .processes import MODEL_NAME, REALTIME, Stack
+from ..support.real_engine.measurements import Measurements
+from ..support.real_engine.stacks import MODEL_NAME
+from ..support.waiting import wait_until
+from .processes import REALTIME, Stack
 from .scenarios import generated_tokens, generated_when_settled, tether_metrics, vllm_metrics
 
 on_realtime = pytest.mark.parametrize("stack", [REALTIME.name], indirect=True)

@@ -9,9 +9,10 @@ import re
 import time
 from typing import Any
 
-from .observe import http_get, http_post_json, wait_until
+from ..support.blocking_http import http_get, http_post_json
+from ..support.raw_http import RawExchange
+from ..support.waiting import wait_until
 from .processes import Stack
-from .raw_http import RawExchange
 from .scenarios import (
     LONG,
     STOPS_WITHIN,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from .measurements import Measurements
+from ..support.real_engine.measurements import Measurements
 from .processes import Stack
 from .scenarios import (
     ROUTES,

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from ..support.raw_http import RawClient, Reply, request_head
-from .processes import MODEL_NAME, Stack
+from ..support.real_engine.stacks import MODEL_NAME
+from .processes import Stack
 from .scenarios import CHAT_PATH, on_transparency
 
 COMPLETIONS_PATH = "/v1/completions"

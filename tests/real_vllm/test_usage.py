@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from .processes import MODEL_NAME, Stack
-from .raw_http import RawExchange
+from ..support.raw_http import RawExchange
+from ..support.real_engine.stacks import MODEL_NAME
+from .processes import Stack
 from .scenarios import CHAT_PATH, on_default_and_dev
 
 COMPLETIONS_PATH = "/v1/completions"

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from ..support.raw_http import RawExchange
 from .processes import Stack
-from .raw_http import RawExchange
 from .scenarios import ROUTES, GenerationRoute
 
 

@@ -1,26 +1,40 @@
-"""The real `tether` process (and the fake engine) as subprocesses on loopback.
+"""Processes a test starts, one toolkit for both kinds of suite.
 
-Each starter returns once the process answers its probe, or fails early with what the process
-printed. A tether's output (stdout and stderr) is kept for the test and copied line by line
-into the run's collected log. The `tether_process` and `engine_process` fixtures in
-`tests/conftest.py` stop whatever a test left running.
+- In the test's event loop (the in-process suite): the real `tether` (`start_tether_process`,
+  its output kept for the test and copied line by line into the run's collected log) and the
+  fake engine (`start_engine_process`), each returned once it answers its probe or failed
+  early with what it printed; `run_tether_cli` for a `tether` run to its end. The
+  `tether_process` and `engine_process` fixtures in `tests/conftest.py` stop whatever a test
+  left running.
+- Blocking (the real-engine suites, whose clients run in threads, and smg): `spawn` a command in its
+  own session with its output in a log file (`LogFile`, read from a mark), `Process.wait_ready`
+  for its probe, `on_core` to pin it to one core, `Process.stop` to end it and its children.
+
+`tether_environment` is what both kinds run tether with: this environment without any
+TETHER_* variable, plus the test's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import aiohttp
 
+from .blocking_http import http_get
 from .collected_log import CLI, CollectedLog, subprocess_source
 from .net import free_port
-from .waiting import poll_until
+from .waiting import poll_until, wait_until
 
 READY_TIMEOUT = 15.0
 EXIT_TIMEOUT = 10.0
@@ -101,6 +115,12 @@ class TetherProcess:
             self._log.add_lines(source, text)
 
 
+class TetherProcessFactory(Protocol):
+    """The `tether_process` fixture: `start_tether_process(engine_url, log, env)`."""
+
+    def __call__(self, engine_url: str, **env: str) -> Awaitable[TetherProcess]: ...
+
+
 async def start_tether_process(
     engine_url: str,
     log: CollectedLog,
@@ -160,6 +180,12 @@ class EngineProcess:
         if self.process.returncode is None:
             self.process.kill()
         await asyncio.wait_for(self.process.wait(), EXIT_TIMEOUT)
+
+
+class EngineProcessFactory(Protocol):
+    """The `engine_process` fixture: `start_engine_process(*args)`."""
+
+    def __call__(self, *args: str) -> Awaitable[EngineProcess]: ...
 
 
 async def start_engine_process(*args: str, ready_timeout: float = READY_TIMEOUT) -> EngineProcess:
@@ -234,3 +260,132 @@ async def _wait_ready(
             what=f"{probe} to answer 200",
             ignoring=(aiohttp.ClientError, TimeoutError),
         )
+
+
+# --- blocking: the real-engine suites' processes --------------------------------------------
+
+
+def on_core(core: int) -> list[str]:
+    """`taskset -c <core>` when the machine has that core and taskset, else nothing."""
+    if shutil.which("taskset") and (os.cpu_count() or 1) > core:
+        return ["taskset", "-c", str(core)]
+    return []
+
+
+class LogFile:
+    """A log file another process writes; tests read what was appended after a mark."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+
+    def mark(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def text_since(self, mark: int) -> str:
+        with self.path.open("rb") as handle:
+            handle.seek(mark)
+            return handle.read().decode(errors="replace")
+
+    def find_since(self, mark: int, pattern: str) -> list[re.Match[str]]:
+        return list(re.finditer(pattern, self.text_since(mark), re.MULTILINE))
+
+    def wait_for(self, mark: int, pattern: str, timeout: float = 10.0) -> re.Match[str]:
+        """The first match of `pattern` written after `mark`, waiting up to `timeout`."""
+        found: list[re.Match[str]] = []
+
+        def appeared() -> bool:
+            found[:] = self.find_since(mark, pattern)
+            return bool(found)
+
+        wait_until(appeared, timeout, f"{pattern!r} in {self.path.name}", interval=0.02)
+        return found[0]
+
+    def json_lines(self, mark: int, event: str | None = None) -> list[dict[str, Any]]:
+        """The JSON log lines (tether's) written after `mark`, only those of `event` if given."""
+        found = []
+        for line in self.text_since(mark).splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and (event is None or entry.get("event") == event):
+                found.append(entry)
+        return found
+
+    def wait_json(
+        self, mark: int, event: str, timeout: float = 10.0, **fields: object
+    ) -> dict[str, Any]:
+        """The first JSON line of `event` with these field values written after `mark`,
+        waiting up to `timeout`."""
+        found: list[dict[str, Any]] = []
+
+        def appeared() -> bool:
+            found[:] = [
+                entry
+                for entry in self.json_lines(mark, event)
+                if all(entry.get(key) == value for key, value in fields.items())
+            ]
+            return bool(found)
+
+        wait_until(appeared, timeout, f"{event} {fields} in {self.path.name}", interval=0.02)
+        return found[0]
+
+    def tail(self, lines: int = 60) -> str:
+        if not self.path.exists():
+            return "(no log)"
+        return "\n".join(self.path.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Process:
+    """A child process in its own session, logging to a file."""
+
+    popen: subprocess.Popen[bytes]
+    log: LogFile
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait_ready(self, url: str, timeout: float, what: str, interval: float = 0.2) -> float:
+        """Poll `url` until it answers 200; the seconds it took. Fails early, with the log's
+        tail, if the process dies; stops the process when it fails."""
+
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"{what} exited ({self.popen.returncode}):\n{self.log.tail()}")
+            try:
+                return http_get(url, timeout=2.0)[0] == 200
+            except OSError:
+                return False
+
+        try:
+            return wait_until(ready, timeout, f"{what} at {url}", interval=interval)
+        except AssertionError:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to its session, SIGKILL after `timeout` seconds."""
+        if not self.alive():
+            return
+        os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+
+
+def spawn(argv: list[str], env: Mapping[str, str], log_path: pathlib.Path) -> Process:
+    """`argv` in a session of its own, stdout and stderr into `log_path` (made afresh)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    return Process(popen, LogFile(log_path))

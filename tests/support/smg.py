@@ -1,5 +1,7 @@
 """smg (SGLang's model gateway, `pip install smg`) as the router in front of a worker: tether
-or an engine. The tests that put tether behind a real router start it through here.
+or an engine. Every test that puts tether behind a real router starts it through here, the
+in-process suite (`start_smg` in a thread) as the real-engine suites (`smg_process`, and their
+`router` fixture in front of the stack's tether).
 
 smg registers a worker only once the worker's `/v1/models` answers, then health-checks its
 `/health`; its `/readiness` answers 200 once it has a healthy worker, which is when a test
@@ -8,23 +10,21 @@ may send it requests.
 
 from __future__ import annotations
 
-import asyncio
+import os
+import pathlib
 import shutil
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO
 
-import aiohttp
+import pytest
 
 from .net import free_ports
-from .waiting import poll_until
+from .processes import Process, on_core, spawn
 
 READY_TIMEOUT = 30.0
-EXIT_TIMEOUT = 10.0
+READY_INTERVAL = 0.05
 SKIP_REASON = "smg (SGLang model gateway) is not installed: pip install -e '.[test]' has it"
 # What operators run a health-checked router with, but probing every second (smg's default
 # is a minute) so a test sees a worker go unhealthy and come back within seconds.
@@ -40,7 +40,7 @@ FAST_HEALTH_CHECKS = (
 
 def smg_executable() -> str | None:
     """The `smg` console script beside the running Python (a venv not on PATH), else on PATH."""
-    beside = Path(sys.executable).parent / "smg"
+    beside = pathlib.Path(sys.executable).parent / "smg"
     if beside.exists():
         return str(beside)
     return shutil.which("smg")
@@ -76,57 +76,49 @@ def smg_command(
     ]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Smg:
-    """A running smg: where clients reach it."""
+    """A running smg: where clients reach it, and its process."""
 
     port: int
     worker_url: str
+    process: Process
 
-    def url(self, path: str) -> str:
+    def url(self, path: str = "") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
+    def stop(self) -> None:
+        self.process.stop()
 
-@asynccontextmanager
-async def smg_in_front_of(worker_url: str, *extra: str) -> AsyncIterator[Smg]:
-    """smg routing to `worker_url` (further `smg launch` options in `extra`), yielded once its
-    `/readiness` says it has a healthy worker; stopped on exit."""
+
+def start_smg(worker_url: str, log_path: pathlib.Path, *extra: str, core: int | None = None) -> Smg:
+    """smg routing to `worker_url` (further `smg launch` options in `extra`), logging to
+    `log_path`, pinned to `core` if given; returned once its `/readiness` says it has a
+    healthy worker. Blocking: a test whose worker runs in its event loop calls it in a thread
+    (smg must reach the worker to register it)."""
     port, metrics_port = free_ports(2)
-    with tempfile.TemporaryFile() as output:
-        process = await asyncio.create_subprocess_exec(
-            *smg_command(worker_url, port, metrics_port, extra),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=output,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        try:
-            await _wait_ready(process, f"http://127.0.0.1:{port}/readiness", output)
-            yield Smg(port, worker_url)
-        finally:
-            if process.returncode is None:
-                process.terminate()
-            await asyncio.wait_for(process.wait(), EXIT_TIMEOUT)
+    argv = [
+        *(on_core(core) if core is not None else []),
+        *smg_command(worker_url, port, metrics_port, extra),
+    ]
+    process = spawn(argv, dict(os.environ), log_path)
+    process.wait_ready(
+        f"http://127.0.0.1:{port}/readiness", READY_TIMEOUT, "smg", interval=READY_INTERVAL
+    )
+    return Smg(port, worker_url, process)
 
 
-async def _wait_ready(process: asyncio.subprocess.Process, probe: str, output: IO[bytes]) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-
-        async def ready() -> bool:
-            if process.returncode is not None:
-                raise AssertionError(f"smg exited ({process.returncode}):\n{_text(output)}")
-            async with session.get(probe) as response:
-                return response.status == 200
-
-        await poll_until(
-            ready,
-            READY_TIMEOUT,
-            interval=0.05,
-            what=f"{probe} to answer 200 (smg registered its worker)",
-            ignoring=(aiohttp.ClientError, TimeoutError),
-        )
+@contextmanager
+def smg_process(worker_url: str, log_path: pathlib.Path, *extra: str) -> Iterator[Smg]:
+    """`start_smg` on core 0 (the real-engine suites: the engine has core 1), stopped on
+    exit."""
+    smg = start_smg(worker_url, log_path, *extra, core=0)
+    try:
+        yield smg
+    finally:
+        smg.stop()
 
 
-def _text(output: IO[bytes]) -> str:
-    """The end of what smg printed (its log goes to a temporary file)."""
-    output.seek(0)
-    return output.read().decode(errors="replace")[-4000:]
+def smg_log(log_dir: pathlib.Path, request: pytest.FixtureRequest, what: str) -> pathlib.Path:
+    """Where the log of an smg a test starts in front of `what` (tether, the engine) goes."""
+    return log_dir / f"smg-{request.node.name}-{what}.log".replace("/", "_")

@@ -1,13 +1,15 @@
 """Bounded waits. A regression must fail a test with a message, never hang the run.
 
 Wait on an event when the code under test offers one (`within`); poll only what has no event
-(a process's probe, a count tether keeps without notifying anyone): `poll_until`.
+(a process's probe, a count tether keeps without notifying anyone): `poll_until`, or
+`wait_until` in the blocking code of the real-engine suites (their clients run in threads).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, cast, overload
 
@@ -84,3 +86,18 @@ async def within(awaitable: Awaitable[T], timeout: float, what: str) -> T:
         if bound.expired():
             raise AssertionError(f"{what}: not done within {timeout} s") from None
         raise
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.005
+) -> float:
+    """Blocking: call `predicate` every `interval` seconds until it holds; return the seconds
+    it took, fail with an AssertionError naming `what` after `timeout`."""
+    start = time.monotonic()
+    deadline = start + timeout
+    while True:
+        if predicate():
+            return time.monotonic() - start
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
+        time.sleep(interval)

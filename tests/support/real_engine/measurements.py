@@ -1,4 +1,4 @@
-"""Numbers the suite measures on the real engine, printed at the end of the run."""
+"""Numbers a real-engine suite measures on its engine, printed at the end of the run."""
 
 from __future__ import annotations
 
@@ -7,15 +7,11 @@ import os
 import pathlib
 import statistics
 
-import pytest
-
 
 class Measurements:
     """Named measurements grouped by topic; printed in pytest's terminal summary."""
 
-    KEY = pytest.StashKey["Measurements"]()
-
-    def __init__(self, env_var: str = "TETHER_VLLM_MEASUREMENTS") -> None:
+    def __init__(self, env_var: str) -> None:
         """`env_var` names a file every measurement is appended to as a JSON line, if set."""
         self.rows: list[tuple[str, str, float]] = []
         self._env_var = env_var

@@ -12,9 +12,9 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from .processes import MODEL_NAME, REPO, Tether, on_core
-
-AIPERF_SETUP = REPO / "tests" / "engines" / "aiperf.sh"
+from ..processes import on_core
+from .stacks import MODEL_NAME, run_setup_script
+from .tether import Tether
 
 
 def openai_client(tether: Tether) -> Any:
@@ -24,12 +24,43 @@ def openai_client(tether: Tether) -> Any:
     return openai.OpenAI(base_url=tether.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def install_aiperf() -> pathlib.Path:
-    """The aiperf executable from its cached venv (built by the setup script if missing)."""
-    result = subprocess.run(
-        ["bash", str(AIPERF_SETUP)], check=True, capture_output=True, text=True, timeout=1200
+def openai_stream(
+    tether: Tether, client_request_id: str, max_tokens: int, chunks: int
+) -> tuple[Any, list[str]]:
+    """A streaming chat through the openai SDK as `client_request_id`, its first `chunks`
+    chunks read: (the stream, still open, the `id` of each chunk read)."""
+    stream = openai_client(tether).chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": client_request_id},
     )
-    return pathlib.Path(result.stdout.strip().splitlines()[-1].split("=", 1)[1])
+    ids = []
+    for chunk in stream:
+        ids.append(chunk.id)
+        if len(ids) == chunks:
+            break
+    return stream, ids
+
+
+def openai_completion(tether: Tether, client_request_id: str, max_tokens: int) -> Any:
+    """A non-streaming chat through the openai SDK as `client_request_id`; its raw response
+    (`.headers`, `.parse()`)."""
+    return openai_client(tether).chat.completions.with_raw_response.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=max_tokens,
+        extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": client_request_id},
+    )
+
+
+def install_aiperf() -> pathlib.Path:
+    """The aiperf executable from its cached venv (built by tests/engines/aiperf.sh if
+    missing)."""
+    return pathlib.Path(run_setup_script("aiperf.sh")["AIPERF"])
 
 
 @dataclass(frozen=True)
