@@ -143,10 +143,10 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         if outcome is Outcome.CLIENT_DISCONNECTED:
             ctx.accounting.client_left(state)
         _stop_upstream(ctx, state, outcome)
-        sent = _response_started(state)
         if outcome is Outcome.CLIENT_DISCONNECTED:
             state.ending = Ending(outcome, 499)
             raise
+        sent = _response_started(state)
         if sent is not None:  # cut mid-response: the status it started with stands
             state.ending = Ending(outcome, sent.status)
             raise
