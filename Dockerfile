@@ -7,7 +7,7 @@
 # The same image also carries the bundled fake engine for demos:
 #   docker run --rm --network host --entrypoint tether-fake-engine tether --port 8000
 #
-# BASE must be a Debian-like image with python3 >= 3.11 and the venv module; CI builds a
+# BASE must be a Debian-like image (apt) with python3 >= 3.11 and the venv module; CI builds a
 # local stand-in tagged python:3.11-slim, so this file stays the standard one.
 ARG BASE=python:3.11-slim
 
@@ -18,18 +18,31 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 
+# A C compiler, and Python's headers where the base has none (Debian's own python3): pip
+# compiles the data plane with mypyc (setup.py). This stage only; the runtime stage has neither.
+# Not pinned: the base's own Debian release decides the versions, as it does for the base.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && if ! python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
+         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-dev; \
+       fi \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN python3 -m venv /opt/tether
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proxy/ proxy/
 COPY tether_fake_engine/ tether_fake_engine/
 
 # Install tether (bytecode is compiled now, so the read-only runtime never needs to write it),
-# then drop the installers: the runtime image has no pip, no setuptools, no build cache.
+# check that the image runs the compiled data plane (a build that fell back to pure Python
+# fails here), then drop the installers: the runtime image has no pip, no setuptools, no
+# build cache.
 RUN /opt/tether/bin/pip install --no-cache-dir . \
     && /opt/tether/bin/python -m pip uninstall --yes pip setuptools wheel \
-    && /opt/tether/bin/python -c "import proxy" \
+    && /opt/tether/bin/python -I -c "import proxy.compiled as c; print('data plane:', c.extensions()); assert c.extensions() == 'compiled'" \
     && test -x /opt/tether/bin/tether
 
 # ---- runtime -----------------------------------------------------------------------------

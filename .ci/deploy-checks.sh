@@ -616,8 +616,11 @@ EOF
     for f in /opt/tether/bin/pip /usr/bin/gcc /usr/bin/cc /root/.cache/pip /src; do
       if [ -e "$f" ]; then echo "unexpected in runtime image: $f"; exit 1; fi
     done
-    tether --version'
-  ok "image metadata: USER 10001, exec-form ENTRYPOINT, EXPOSE 8080 9090, HEALTHCHECK; no pip/compiler"
+    tether --version
+    python -c "import proxy.compiled as c; print(\"data plane:\", c.extensions())" | tee /tmp/data-plane
+    grep -qx "data plane: compiled" /tmp/data-plane
+    TETHER_NO_EXTENSIONS=1 python -c "import proxy.compiled as c, proxy.relay; print(\"TETHER_NO_EXTENSIONS=1:\", c.extensions())"'
+  ok "image metadata: USER 10001, exec-form ENTRYPOINT, EXPOSE 8080 9090, HEALTHCHECK; no pip/compiler; compiled data plane"
 
   # A bad setting: exit 2 and a message naming the variable.
   local rc=0
@@ -787,6 +790,9 @@ EOF
 
   "${client[@]}" stream "$tether_port" ci-stream-1 8
   ok "streamed completion through the container"
+  pm logs "$cid" 2>&1 | grep '"event": "tether_started"' | grep -q '"extensions": "compiled"' \
+    || die "the container's tether_started line does not say extensions=compiled"
+  ok "the container runs the compiled data plane (tether_started: extensions=compiled)"
 
   "${client[@]}" status "$tether_port" POST /abort_requests 403
   ok "engine control route /abort_requests refused to clients (403)"

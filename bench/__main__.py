@@ -9,7 +9,16 @@ from pathlib import Path
 from bench.runner import run
 from bench.workloads import FULL, QUICK
 
-SYSTEMS = ("direct", "nginx", "smg", "tether", "tether_info", "tether_otel", "tether_nousage")
+SYSTEMS = (
+    "direct",
+    "nginx",
+    "smg",
+    "tether",
+    "tether_info",
+    "tether_otel",
+    "tether_nousage",
+    "tether_pure",
+)
 WORKLOADS = ("relay", "paced", "requests", "streams", "aborts", "memory")
 
 

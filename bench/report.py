@@ -15,16 +15,26 @@ from typing import Any
 from bench.workloads import Figures
 
 Results = dict[str, dict[str, Figures]]
-COLUMNS = ("direct", "nginx", "smg", "tether", "tether_info", "tether_otel", "tether_nousage")
+COLUMNS = (
+    "direct",
+    "nginx",
+    "smg",
+    "tether",
+    "tether_info",
+    "tether_otel",
+    "tether_nousage",
+    "tether_pure",
+)
 # (header, numerator, denominator): tether against nginx, smg (the closest peer) and a direct
-# connection, what turning tracing on costs tether, and what asking the engine for usage
-# costs it.
+# connection, what turning tracing on costs tether, what asking the engine for usage costs
+# it, and what its compiled data plane saves over the pure-Python one.
 RATIOS = (
     ("tether/nginx", "tether", "nginx"),
     ("tether/smg", "tether", "smg"),
     ("tether/direct", "tether", "direct"),
     ("otel/tether", "tether_otel", "tether"),
     ("tether/nousage", "tether", "tether_nousage"),
+    ("tether/pure", "tether", "tether_pure"),
 )
 SPANS = "spans"  # not a workload: the spans tether_otel exported over the round
 # The relay "runs at" the offered rate when it carries at least this share of it; below,
@@ -392,6 +402,7 @@ def render(meta: dict[str, Any], results: Results) -> str:
             f"machine: {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, "
             f"Linux {meta['kernel']}, Python {meta['python']}, nginx {meta['nginx']}",
             f"cores: {meta['core_split']}",
+            f"tether's data plane: {meta.get('tether_extensions', 'not recorded')}",
             f"load average before/after: {' '.join(meta['loadavg_before'])} / "
             f"{' '.join(meta['loadavg_after'])}; descriptor limit {meta['nofile']}",
             "",

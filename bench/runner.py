@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.systems import CLIENT_CORE, PROXY_CORE, Engine, System, all_systems, nginx_binary
+from bench.systems import (
+    CLIENT_CORE,
+    PROXY_CORE,
+    Engine,
+    System,
+    all_systems,
+    nginx_binary,
+    tether_extensions,
+)
 from bench.workloads import (
     Figures,
     Profile,
@@ -90,6 +98,9 @@ def variant_workloads(profile: Profile) -> dict[str, frozenset[str]]:
         # Asking for usage costs per streaming request (the body's rewrite, the usage event
         # taken out) and, if at all, per event (the filter's look at each chunk).
         "tether_nousage": frozenset({streams, f"relay_{profile.relay_streams_variants}", "paced"}),
+        # The compiled data plane saves per event (both paces: one event per read, and the
+        # many streams where tether's core is busiest) and per request.
+        "tether_pure": frozenset(many_requests | {streams, "paced", "paced_256"}),
     }
 
 
@@ -201,6 +212,10 @@ def run(
         "loadavg_before": load_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
     }
+    if any(name.startswith("tether") for name in system_names):
+        meta["tether_extensions"] = f"tether {tether_extensions()}" + (
+            f", tether_pure {tether_extensions(pure=True)}" if "tether_pure" in system_names else ""
+        )
     print(report.render(meta, results))
     path = results_dir / f"{stem}.json"
     path.write_text(

@@ -3,8 +3,9 @@
 Each system is a listening address plus the pid whose process tree is "the proxy" (none
 for a direct connection): direct, nginx, smg (SGLang's Rust model gateway, the closest
 peer), tether, and variants of tether: at log level info (`tether_info`), with tracing on
-(`tether_otel`), without asking for usage (`tether_nousage`). Processes are pinned with
-sched_setaffinity before exec (smg's threads with it).
+(`tether_otel`), without asking for usage (`tether_nousage`), on its pure-Python data plane
+(`tether_pure`: TETHER_NO_EXTENSIONS=1, where `tether` runs the compiled one). Processes
+are pinned with sched_setaffinity before exec (smg's threads with it).
 """
 
 from __future__ import annotations
@@ -217,9 +218,11 @@ def tether(
     log_level: str,
     traced: bool = False,
     ask_for_usage: bool = True,
+    pure: bool = False,
 ) -> Iterator[System]:
     """tether in front of the engine; `traced` exports its spans to the engine's OTLP sink;
-    without `ask_for_usage` it leaves request bodies and streams as they are."""
+    without `ask_for_usage` it leaves request bodies and streams as they are; `pure` runs its
+    pure-Python modules even where the compiled ones are installed."""
     port, admin_port = free_port(), free_port()
     # No OTEL_* from the caller's environment: under the default TETHER_TRACING=auto an
     # exporter endpoint would turn tracing on, and a sampler would change what it costs.
@@ -234,6 +237,8 @@ def tether(
         "TETHER_LOG_FORMAT": "json",
         "TETHER_TRACING": "off",
         "TETHER_ASK_FOR_USAGE": "true" if ask_for_usage else "false",
+        # Not a setting: which code runs the data plane (`proxy.compiled`).
+        "TETHER_NO_EXTENSIONS": "1" if pure else "",
     }
     if traced:
         # OTLP/HTTP to the fake engine's /v1/traces; the batch processor's settings are the
@@ -248,6 +253,22 @@ def tether(
     ) as process:
         wait_http_ok(f"http://127.0.0.1:{admin_port}/readyz", process)
         yield System(name, port, process.pid)
+
+
+def tether_extensions(pure: bool = False) -> str:
+    """Which data plane the `tether` command runs (`proxy.compiled.extensions()`), asked of
+    its own interpreter outside the checkout."""
+    interpreter = Path(tether_binary()).read_text().splitlines()[0].removeprefix("#!").strip()
+    env = os.environ | {"TETHER_NO_EXTENSIONS": "1" if pure else ""}
+    answer = subprocess.run(
+        [interpreter, "-c", "import proxy.compiled as c; print(c.extensions())"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd="/",
+        env=env,
+    )
+    return answer.stdout.strip() or f"unknown ({answer.stderr.strip()[-200:]})"
 
 
 @contextmanager
@@ -281,6 +302,10 @@ def all_systems(
             elif name == "tether_nousage":
                 systems[name] = stack.enter_context(
                     tether(tmp, engine_port, name=name, log_level="warning", ask_for_usage=False)
+                )
+            elif name == "tether_pure":
+                systems[name] = stack.enter_context(
+                    tether(tmp, engine_port, name=name, log_level="warning", pure=True)
                 )
             else:
                 raise ValueError(f"unknown system {name!r}")

@@ -9,6 +9,8 @@ import re
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 MAX_CLIENT_REQUEST_ID_LENGTH = 256
 INTERNAL_REQUEST_ID_LENGTH = 32
 
@@ -189,6 +191,9 @@ def _skip(text: str, at: int) -> int:
     return _JSON_WHITESPACE.match(text, at).end()  # type: ignore[union-attr]
 
 
+# A subclass of str: a Python class even where this module is compiled (mypyc's own classes
+# cannot derive from str).
+@mypyc_attr(native_class=False)
 class RawJson(str):
     """A member's value already written as JSON (a constant tether sets on many requests)."""
 

@@ -12,6 +12,7 @@ import socket
 import structlog
 from aiohttp import web
 
+from . import compiled
 from .admin import create_admin_app
 from .app import create_app
 from .context import CONTEXT, ProxyContext
@@ -124,6 +125,8 @@ class TetherServer:
             admin_port=self.admin_port,
             upstream_url=settings.upstream_url,
             engine=settings.engine.value,
+            # compiled (mypyc), or pure Python and why: `proxy.compiled`
+            extensions=compiled.extensions(),
         )
 
     async def stop(self) -> None:

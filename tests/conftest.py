@@ -17,6 +17,7 @@ import pytest
 import structlog
 from aiohttp import web
 
+from proxy import compiled
 from proxy.logging import configure_logging
 from proxy.runner import TetherServer
 from proxy.settings import LogFormat, LogLevel
@@ -67,6 +68,11 @@ def pytest_configure(config: pytest.Config) -> None:
     upstream_handler = logging.StreamHandler(cast(TextIO, log.stream(UPSTREAM)))
     upstream_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s %(message)s"))
     upstream.addHandler(upstream_handler)
+
+
+def pytest_report_header() -> str:
+    """Which code the run tests: the compiled data plane or the pure-Python one."""
+    return f"tether data plane: {compiled.extensions()}"
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -82,12 +82,15 @@ async def test_bug_after_the_response_started_cuts_the_stream(
     """Once the head went out the status cannot change: the stream is cut (no terminating
     chunk), the summary keeps its 200 and says `internal_error`."""
 
-    def broken(self: ResponseRelay) -> None:
-        raise TetherBug("a bug at the end of the stream")
+    class BrokenRelay(ResponseRelay):
+        def finish(self) -> None:
+            raise TetherBug("a bug at the end of the stream")
 
     _, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
-    monkeypatch.setattr(ResponseRelay, "finish", broken)
+    # A subclass the handler builds, not a patched method: compiled (mypyc), the relay's
+    # class takes no new attributes.
+    monkeypatch.setattr(forward, "ResponseRelay", BrokenRelay)
     client = await RawClient.connect(server.port)
     await client.send_request(chat_body(max_tokens=3))
 

@@ -11,7 +11,7 @@
   for its probe, `on_core` to pin it to one core, `Process.stop` to end it and its children.
 
 `tether_environment` is what both kinds run tether with: this environment without any
-TETHER_* variable, plus the test's.
+TETHER_* setting, plus the test's.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from proxy.compiled import NO_EXTENSIONS_VARIABLE
+
 from .blocking_http import http_get
 from .collected_log import CLI, CollectedLog, subprocess_source
 from .net import free_port
@@ -41,8 +43,14 @@ EXIT_TIMEOUT = 10.0
 
 
 def tether_environment(**env: str) -> dict[str, str]:
-    """This process's environment without any TETHER_* variable, plus `env`."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
+    """This process's environment without any TETHER_* setting, plus `env`. The switch to
+    the pure-Python modules is no setting and stays: a run on the pure path starts its
+    tethers on it too."""
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TETHER_") or k == NO_EXTENSIONS_VARIABLE
+    }
     return {**clean, **env}
 
 
