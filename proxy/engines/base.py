@@ -359,9 +359,11 @@ class EngineProfile(ABC):
     @abstractmethod
     def _abort_calls(self, engine_request_ids: tuple[str, ...]) -> tuple[AbortCall, ...]: ...
 
-    def _paths(self, built_in: tuple[str, ...]) -> tuple[str, ...]:
-        """The engine's abort routes, or the one TETHER_ABORT_URL names instead."""
-        return (self._abort_url,) if self._abort_url is not None else built_in
+    def _posts(self, built_in: tuple[str, ...], body: bytes) -> tuple[AbortCall, ...]:
+        """`body` POSTed to each of the engine's abort routes, in order, or to the one
+        TETHER_ABORT_URL names instead."""
+        paths = (self._abort_url,) if self._abort_url is not None else built_in
+        return tuple(AbortCall("POST", self._resolve(path), body) for path in paths)
 
     def _resolve(self, url_or_path: str) -> str:
         return self._upstream_url + url_or_path if url_or_path.startswith("/") else url_or_path

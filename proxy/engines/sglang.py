@@ -281,7 +281,4 @@ class Profile(EngineProfile):
         )
 
     def _abort_calls(self, engine_request_ids: tuple[str, ...]) -> tuple[AbortCall, ...]:
-        body = json.dumps({"rid": engine_request_ids[0]}).encode()
-        return tuple(
-            AbortCall("POST", self._resolve(path), body) for path in self._paths((ABORT_PATH,))
-        )
+        return self._posts((ABORT_PATH,), json.dumps({"rid": engine_request_ids[0]}).encode())

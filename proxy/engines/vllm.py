@@ -233,7 +233,6 @@ class Profile(EngineProfile):
         refuse_templated_abort_url(settings)
 
     def _abort_calls(self, engine_request_ids: tuple[str, ...]) -> tuple[AbortCall, ...]:
-        body = json.dumps({"request_ids": list(engine_request_ids)}).encode()
-        return tuple(
-            AbortCall("POST", self._resolve(path), body) for path in self._paths(ABORT_PATHS)
+        return self._posts(
+            ABORT_PATHS, json.dumps({"request_ids": list(engine_request_ids)}).encode()
         )
