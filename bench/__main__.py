@@ -7,18 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.runner import run
+from bench.systems import SYSTEMS
 from bench.workloads import FULL, QUICK
 
-SYSTEMS = (
-    "direct",
-    "nginx",
-    "smg",
-    "tether",
-    "tether_info",
-    "tether_otel",
-    "tether_nousage",
-    "tether_pure",
-)
 WORKLOADS = ("relay", "paced", "requests", "streams", "aborts", "memory")
 
 

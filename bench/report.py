@@ -12,19 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.systems import SYSTEMS
 from bench.workloads import Figures
 
 Results = dict[str, dict[str, Figures]]
-COLUMNS = (
-    "direct",
-    "nginx",
-    "smg",
-    "tether",
-    "tether_info",
-    "tether_otel",
-    "tether_nousage",
-    "tether_pure",
-)
 # (header, numerator, denominator): tether against nginx, smg (the closest peer) and a direct
 # connection, what turning tracing on costs tether, what asking the engine for usage costs
 # it, and what its compiled data plane saves over the pure-Python one.
@@ -213,7 +204,7 @@ def cell(value: float | int | None, digits: int) -> str:
 
 
 def render_table(results: Results) -> str:
-    columns = [name for name in COLUMNS if any(name in by_system for by_system in results.values())]
+    columns = [name for name in SYSTEMS if any(name in by_system for by_system in results.values())]
     ratios = [r for r in RATIOS if r[1] in columns and r[2] in columns]
     rows = rows_for(results)
     width = max(len(row.label) for row in rows)

@@ -27,6 +27,17 @@ PROXY_CORE = 0
 CLIENT_CORE = 1  # engine, load generator and this runner
 STARTUP_TIMEOUT_S = 30.0
 REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m bench.<module>` resolves
+# Every system the bench knows, in the order of the table's columns.
+SYSTEMS = (
+    "direct",
+    "nginx",
+    "smg",
+    "tether",
+    "tether_info",
+    "tether_otel",
+    "tether_nousage",
+    "tether_pure",
+)
 
 NGINX_CONF = """\
 worker_processes 1;
@@ -161,29 +172,25 @@ def nginx(tmp: Path, engine_port: int, nofile: int) -> Iterator[System]:
         yield System("nginx", port, process.pid)
 
 
-def smg_binary() -> str:
-    """`smg` (`pip install smg`, in the test extra) from the active venv, else from PATH."""
-    beside = Path(sys.executable).with_name("smg")
-    found = str(beside) if beside.exists() else shutil.which("smg")
-    if found is None:
-        raise FileNotFoundError("no `smg` command: pip install -e '.[test]' installs it")
-    return found
+def console_script(name: str) -> str | None:
+    """The command `name` beside this interpreter (a venv that is not on PATH), else on PATH."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else shutil.which(name)
 
 
-@contextmanager
-def smg(tmp: Path, engine_port: int) -> Iterator[System]:
-    """smg as a plain router in front of the one engine, as its docs run it; its `/readiness`
-    answers 200 once it has registered the engine (from `/v1/models`) and found it healthy."""
-    port, metrics_port = free_port(), free_port()
-    args = [
-        smg_binary(),
+def smg_launch(executable: str, worker_url: str, port: int, metrics_port: int) -> list[str]:
+    """`smg launch` as a plain router in front of one worker, as its docs run it: round
+    robin, on loopback, its Prometheus listener on `metrics_port`, stopping at once (its
+    default grace, 180 s, waits 5 s even when idle). The tests start it this way too."""
+    return [
+        executable,
         "launch",
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
         "--worker-urls",
-        f"http://127.0.0.1:{engine_port}",
+        worker_url,
         "--policy",
         "round_robin",
         "--log-level",
@@ -195,6 +202,17 @@ def smg(tmp: Path, engine_port: int) -> Iterator[System]:
         "--shutdown-grace-period-secs",
         "0",
     ]
+
+
+@contextmanager
+def smg(tmp: Path, engine_port: int) -> Iterator[System]:
+    """smg in front of the one engine; its `/readiness` answers 200 once it has registered
+    the engine (from `/v1/models`) and found it healthy."""
+    executable = console_script("smg")
+    if executable is None:
+        raise FileNotFoundError("no `smg` command: pip install -e '.[test]' installs it")
+    port, metrics_port = free_port(), free_port()
+    args = smg_launch(executable, f"http://127.0.0.1:{engine_port}", port, metrics_port)
     with running(args, core=PROXY_CORE, log=tmp / "smg.log") as process:
         wait_http_ok(f"http://127.0.0.1:{port}/readiness", process)
         yield System("smg", port, process.pid)
@@ -202,8 +220,7 @@ def smg(tmp: Path, engine_port: int) -> Iterator[System]:
 
 def tether_binary() -> str:
     """`tether` from the active venv (next to this interpreter), else from PATH."""
-    beside = Path(sys.executable).with_name("tether")
-    found = str(beside) if beside.exists() else shutil.which("tether")
+    found = console_script("tether")
     if found is None:
         raise FileNotFoundError("no `tether` command: install the package into the active venv")
     return found

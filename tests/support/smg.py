@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
+
+from bench.systems import console_script, smg_launch
 
 from .net import free_ports
 from .processes import Process, on_core, spawn
@@ -40,40 +40,17 @@ FAST_HEALTH_CHECKS = (
 
 def smg_executable() -> str | None:
     """The `smg` console script beside the running Python (a venv not on PATH), else on PATH."""
-    beside = pathlib.Path(sys.executable).parent / "smg"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("smg")
+    return console_script("smg")
 
 
 def smg_command(
     worker_url: str, port: int, metrics_port: int, extra: Sequence[str] = ()
 ) -> list[str]:
-    """`smg launch` as README's "Fleets" section runs it: one worker, round robin, loopback."""
+    """`smg launch` as the docs' Fleets page runs it (one worker, round robin, loopback), as
+    the bench does, with `extra` options after."""
     executable = smg_executable()
     assert executable is not None, SKIP_REASON
-    return [
-        executable,
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        worker_url,
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warn",
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        # A test's smg stops at once (its default grace, 180 s, waits 5 s even when idle).
-        "--shutdown-grace-period-secs",
-        "0",
-        *extra,
-    ]
+    return [*smg_launch(executable, worker_url, port, metrics_port), *extra]
 
 
 @dataclass
