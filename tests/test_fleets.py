@@ -22,7 +22,14 @@ from tether_fake_engine import FakeEngine, GenerationState
 
 from .support.chat import chat_body
 from .support.collected_log import CollectedLog
-from .support.in_process import TetherFactory, admin_url, drained, settled, url
+from .support.in_process import (
+    TetherFactory,
+    admin_url,
+    drained,
+    leave_mid_stream,
+    settled,
+    url,
+)
 from .support.metrics import metric
 from .support.net import free_port
 from .support.processes import TetherProcess, run_tether_cli, start_tether_process
@@ -136,10 +143,7 @@ async def test_preserve_mode_aborts_by_the_preserved_id(
     """A client that leaves is aborted by the ID the engine knows: its own."""
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url, request_id_mode="preserve")
-    client = await RawClient.connect(server.port)
-    await client.send_request(chat_body(max_tokens=100_000), headers={"X-Request-Id": "gone"})
-    await client.read_until(b"tok0")
-    client.close_fin()
+    await leave_mid_stream(server, headers={"X-Request-Id": "gone"})
     await settled(server)
     await drained(server)
     assert engine.aborts[0].ids == ("chatcmpl-gone",)

@@ -17,9 +17,7 @@ from proxy.errors import ERROR_KINDS, TetherError, error_response
 from proxy.request_state import Outcome, RequestState
 from tether_fake_engine import GenerationState
 
-from .support.chat import chat_body
-from .support.in_process import TetherFactory, admin_url, drained, settled
-from .support.raw_http import RawClient
+from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, settled
 from .support.upstreams import FakeEngineFactory
 
 
@@ -99,10 +97,7 @@ async def test_a_stop_that_crashes_still_reports_its_request(
     monkeypatch.setattr(AbortTracker, "_wait_for_end", broken)
     engine, engine_url = await fake_engine(token_interval=0.01)
     server = await tether(engine_url)
-    client = await RawClient.connect(server.port)
-    await client.send_request(chat_body(max_tokens=100_000), headers={"X-Request-Id": "crash"})
-    await client.read_until(b"tok0")
-    client.close_fin()
+    await leave_mid_stream(server, headers={"X-Request-Id": "crash"})
     await settled(server)
     await drained(server)
 
