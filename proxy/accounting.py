@@ -200,7 +200,7 @@ class Accounting:
             span.set_gen_ai(
                 input_tokens=prompt,
                 output_tokens=completion,
-                model=state.body.model if state.body is not None else None,
+                model=state.body.model,
                 finish_reasons=counted.finish_reasons() if counted is not None else (),
             )
             span.end()

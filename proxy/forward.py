@@ -201,7 +201,7 @@ async def _forward(
     tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
     usage = (
         UsageEventFilter(restore_fingerprint=ctx.engine.usage_takes_fingerprint)
-        if state.body is not None and state.body.usage_asked and _is_sse(response_head)
+        if state.body.usage_asked and _is_sse(response_head)
         else None
     )
     state.relay = ResponseRelay(upstream, tokens, mapper, usage)
@@ -524,7 +524,7 @@ def _stop_upstream(
         relay.discard()
         upstream.close()
         return
-    route, body = state.route, state.body
+    route = state.route
     now = time.monotonic()
     events = relay.tokens.events
     first_body_at = upstream.first_body_at
@@ -532,9 +532,7 @@ def _stop_upstream(
         state,
         engine_request_ids=(
             route.engine_request_ids(
-                state.internal_request_id,
-                body.batch if body is not None else None,
-                body.samples if body is not None else 1,
+                state.internal_request_id, state.body.batch, state.body.samples
             )
             if route is not None
             else ()
@@ -544,8 +542,7 @@ def _stop_upstream(
         step=(now - first_body_at) / events if first_body_at is not None and events >= 2 else None,
         registered_by=now if first_body_at is not None else upstream.sent_at + _REGISTERED_AFTER,
     )
-    background = body is not None and body.background
-    handed_over = ctx.aborts.let_finish(stop) if background else ctx.aborts.stop(stop)
+    handed_over = ctx.aborts.let_finish(stop) if state.body.background else ctx.aborts.stop(stop)
     state.stopping = stop if handed_over else None
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -35,9 +35,10 @@ _INCLUDE_USAGE = RawJson('{"include_usage":true}')
 _EXPECT = istr("Expect")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class BodyFacts:
-    """What tether learnt from a request's body on the way to the engine."""
+    """What tether learnt from a request's body on the way to the engine (`NOTHING_LEARNT`
+    for a body it did not read, or before it was sent)."""
 
     # The client asked the engine to keep working after the connection closes (Responses
     # API `"background": true`): such a request is never aborted on a disconnect.
@@ -56,12 +57,15 @@ class BodyFacts:
     client_id: str | None = None
 
 
+NOTHING_LEARNT = BodyFacts()
+
+
 @dataclass(slots=True)
 class OutgoingBody:
     """What goes to the engine, and what tether learnt from the body on the way."""
 
     body: RequestBody
-    facts: BodyFacts = field(default_factory=BodyFacts)
+    facts: BodyFacts = NOTHING_LEARNT
 
     @property
     def streamed(self) -> bool:
@@ -131,15 +135,8 @@ async def outgoing_body(
         raise InvalidRequestBodyError(str(exc)) from None
     n = document.get("n")
     model = document.get("model")
-    facts = BodyFacts(
-        background=route.may_run_in_background and document.get("background") is True,
-        batch=route.batch(document),
-        samples=n if isinstance(n, int) and n > 1 else 1,
-        model=model if isinstance(model, str) else None,
-        client_id=_named_id(document, id_field.name) if names_id and id_field else None,
-    )
-    outgoing = OutgoingBody(body, facts)
-    kept = id_field if keep_client_id and facts.client_id is not None else None
+    client_id = _named_id(document, id_field.name) if names_id and id_field else None
+    kept = id_field if keep_client_id and client_id is not None else None
     values: dict[str, Any] = {
         field.name: field.value.format(id=internal_request_id)
         for field in maybe
@@ -148,7 +145,7 @@ async def outgoing_body(
     if usage and document.get("stream") is True:
         options = document.get("stream_options")
         if options is None:
-            values["stream_options"], facts.usage_asked = _INCLUDE_USAGE, True
+            values["stream_options"] = _INCLUDE_USAGE
         elif not (isinstance(options, dict) and options.get("include_usage") is True):
             merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
             if merged.get("continuous_usage_stats"):
@@ -156,10 +153,15 @@ async def outgoing_body(
                 # chunk, where the client (straight to the engine) gets none.
                 merged["continuous_usage_stats"] = False
             values["stream_options"] = merged
-            facts.usage_asked = True
-    if values:
-        outgoing.body = document.with_members(values)
-    return outgoing
+    facts = BodyFacts(
+        background=route.may_run_in_background and document.get("background") is True,
+        batch=route.batch(document),
+        samples=n if isinstance(n, int) and n > 1 else 1,
+        usage_asked="stream_options" in values,
+        model=model if isinstance(model, str) else None,
+        client_id=client_id,
+    )
+    return OutgoingBody(document.with_members(values) if values else body, facts)
 
 
 def _check_declared_length(request: web.BaseRequest, limit: int) -> None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from .request_body import NOTHING_LEARNT, BodyFacts
+
 if TYPE_CHECKING:
     from aiohttp import web
 
@@ -16,7 +18,6 @@ if TYPE_CHECKING:
     from .engines import Route
     from .errors import TetherError
     from .relay import ResponseRelay
-    from .request_body import BodyFacts
     from .tracing import RequestSpan
     from .upstream_exchange import UpstreamExchange
     from .websocket import ClientFrames
@@ -72,7 +73,7 @@ class RequestState:
     phase: Phase = Phase.BODY
     id_in_header: bool = False  # the client named the request in the request-ID header
     websocket: bool = False  # it asks for a WebSocket session
-    body: BodyFacts | None = None  # what tether learnt from its body, once sent
+    body: BodyFacts = NOTHING_LEARNT  # what tether learnt from its body, once sent
     # The client's ID as the engine would have written it into its answer, where that is
     # not `client_request_id` (SGLang answers with a body `rid` over the header's).
     echo_id: str | None = None
