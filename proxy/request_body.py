@@ -16,6 +16,7 @@ out of it.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,8 @@ from .request_ids import InvalidJsonBody, JsonObject, RawJson
 from .upstream_exchange import RequestBody
 
 _CONTENT_TYPE = istr("Content-Type")
-_STREAM = b'"stream"'
+# A body that asks for a stream, as written (a spelling that hides it only loses usage).
+_ASKS_FOR_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # What asking a stream's usage sets where the body has no stream_options (most bodies).
 _INCLUDE_USAGE = RawJson('{"include_usage":true}')
 _EXPECT = istr("Expect")
@@ -116,8 +118,8 @@ async def outgoing_body(
     assert route is not None
     maybe = [field for field in fields if field.always or _mentions(body, field)]
     names_id = id_field is not None and _mentions(body, id_field)
-    # No literal "stream" in it: not a stream (a spelling that hides it only loses usage).
-    usage = usage and _STREAM in body
+    # Not parsed only to learn that a request does not stream (most non-streaming ones).
+    usage = usage and _ASKS_FOR_STREAM.search(body) is not None
     if not (
         maybe
         or names_id

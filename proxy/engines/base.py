@@ -8,12 +8,11 @@ tether's settings at run time (`proxy.settings` reads the engines from this pack
 
 from __future__ import annotations
 
-import functools
 import json
 import string
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..tokens import TokenShape
@@ -42,11 +41,6 @@ def template_fields(template: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
 
 
-@functools.lru_cache(maxsize=64)
-def _quoted(name: str) -> bytes:
-    return b'"' + name.encode() + b'"'
-
-
 @dataclass(frozen=True, slots=True)
 class BodyField:
     """A JSON field tether sets to carry its ID (`{id}` is tether's ID); a dotted name is a
@@ -57,11 +51,13 @@ class BodyField:
     # False: set only when the client sent the field (it must not survive), else leave the
     # body alone because the engine reads the ID from the header.
     always: bool = True
+    # How the (innermost) field's name appears in a JSON body: `"name"` (looked for in every
+    # body read whole, so made once).
+    quoted_name: bytes = field(init=False, repr=False, compare=False)
 
-    @property
-    def quoted_name(self) -> bytes:
-        """How the (innermost) field's name appears in a JSON body: `"name"`."""
-        return _quoted(self.name.rpartition(".")[2])
+    def __post_init__(self) -> None:
+        innermost = self.name.rpartition(".")[2]
+        object.__setattr__(self, "quoted_name", b'"' + innermost.encode() + b'"')
 
     def id_in(self, value: str) -> str:
         """tether's ID in a value this field's template wrote (`resp_<id>` gives `<id>`); a
@@ -114,18 +110,22 @@ class Route:
     # A body field the client may name its request in that tether reads but leaves alone
     # (the engine reads tether's ID from a header that wins over it).
     reads_client_id: BodyField | None = None
+    # The body field in which a client names its request to the engine (vLLM's `request_id`,
+    # SGLang's `rid`): the engine writes that name into its answer, so tether gives the
+    # client its value back. None where the engine's ID is the client's handle for follow-up
+    # calls (the Responses API), which tether makes unique instead. (Derived once: every
+    # request on the route asks.)
+    client_id_field: BodyField | None = field(init=False, repr=False, compare=False)
 
-    @property
-    def client_id_field(self) -> BodyField | None:
-        """The body field in which a client names its request to the engine (vLLM's
-        `request_id`, SGLang's `rid`): the engine writes that name into its answer, so tether
-        gives the client its value back. None where the engine's ID is the client's handle
-        for follow-up calls (the Responses API), which tether makes unique instead."""
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "client_id_field", self._client_id_field())
+
+    def _client_id_field(self) -> BodyField | None:
         if not self.maps_id_back:
             return None
         if self.reads_client_id is not None:
             return self.reads_client_id
-        return next((field for field in self.body_fields if field.value == "{id}"), None)
+        return next((body for body in self.body_fields if body.value == "{id}"), None)
 
     def batch(self, body: _Members) -> int | None:
         """How many prompts the first `fan_out` field present in `body` holds as a list (a
@@ -229,6 +229,8 @@ class FastApiJson:
 
     def labelled(self, content_types: Sequence[str]) -> bool:
         """JSON, `+json`, or no label at all: FastAPI parses such a body as JSON."""
+        if len(content_types) == 1 and content_types[0] == "application/json":
+            return True  # what nearly every client sends, decided without a list
         labels = [value.partition(";")[0].strip().lower() for value in content_types]
         return not any(labels) or any(
             label == "application/json"
