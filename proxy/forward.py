@@ -207,7 +207,7 @@ async def _forward(
     state.relay = ResponseRelay(upstream, tokens, mapper, usage)
     length = response_head.content_length
     if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
-        return await _relay_whole(response_head, state, ctx, mapper)
+        return await _relay_whole(request, response_head, state, ctx, mapper)
     return await _relay_stream(request, response_head, state, ctx, mapper)
 
 
@@ -279,7 +279,11 @@ def _id_mapper(head: ResponseHead, state: RequestState) -> IdMapper | None:
 
 
 async def _relay_whole(
-    head: ResponseHead, state: RequestState, ctx: ProxyContext, mapper: IdMapper
+    request: web.BaseRequest,
+    head: ResponseHead,
+    state: RequestState,
+    ctx: ProxyContext,
+    mapper: IdMapper,
 ) -> web.StreamResponse:
     """A JSON response of known length: read it, map the ID back, answer with its new length."""
     assert state.upstream is not None and state.relay is not None
@@ -296,6 +300,12 @@ async def _relay_whole(
     response = web.Response(status=head.status, reason=head.reason, headers=headers, body=body)
     if ctx.readiness.draining:
         response.force_close()
+    state.client_response = response
+    # Written here rather than by aiohttp once the handler returns: the client has its answer
+    # before the request is reported (its log line, metrics and span cost a request's
+    # latency otherwise), and "completed" means it was written.
+    await _to_client(response.prepare(request))
+    await _to_client(response.write_eof())
     return response
 
 
