@@ -11,16 +11,19 @@ asyncio's alike.
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import functools
 import json
 import logging
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 from enum import Enum
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 from aiohttp.http_exceptions import HttpProcessingError
@@ -90,15 +93,17 @@ def configure_logging(log_format: LogFormat, level: LogLevel, secrets: Iterable[
         )
     shared.append(redact)
     renderer = redact.masking(renderer)
+    output = LoopTurnLines(sys.stdout)
+    atexit.register(output.write_pending)
     structlog.configure(
         processors=[*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.WriteLoggerFactory(sys.stdout),
+        logger_factory=structlog.WriteLoggerFactory(output),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     # aiohttp, asyncio and anything else on stdlib logging: same renderer, same stream, same
     # redaction (their messages can quote raw protocol bytes).
-    handler = logging.StreamHandler(sys.stdout)
+    handler = logging.StreamHandler(output)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
@@ -111,6 +116,48 @@ def configure_logging(log_format: LogFormat, level: LogLevel, secrets: Iterable[
     # tether writes its own line per request; aiohttp's access log would repeat it.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("aiohttp.server").addFilter(_MalformedRequestsAreInfo())
+
+
+class LoopTurnLines:
+    """The log's stream: lines written on the event loop's thread wait for the end of the
+    loop's turn, then all of that turn's lines go out in one write. A line per request (at
+    `info`) would otherwise be a write system call per request, the dearest step of logging
+    it. Lines from other threads (the span exporter's), or with no loop running, are written
+    at once; the lines still waiting are written at exit."""
+
+    # structlog keeps a lock per stream, by weak reference.
+    __slots__ = ("__weakref__", "_pending", "_scheduled_on", "_stream")
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._pending: list[str] = []
+        # The loop whose turn ends with a write of the pending lines, if one is scheduled.
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None
+
+    def write(self, text: str) -> int:
+        loop = asyncio._get_running_loop()
+        if loop is None:
+            if self._pending and threading.current_thread() is threading.main_thread():
+                self.write_pending()  # the loop has stopped: its lines come first
+            self._stream.write(text)
+            self._stream.flush()
+        else:
+            self._pending.append(text)
+            if self._scheduled_on is not loop:
+                self._scheduled_on = loop
+                loop.call_soon(self.write_pending)
+        return len(text)
+
+    def flush(self) -> None:
+        """Asked after every record: the write is the loop turn's (see `write`)."""
+
+    def write_pending(self) -> None:
+        self._scheduled_on = None
+        if self._pending:
+            text = "".join(self._pending)
+            self._pending.clear()
+            self._stream.write(text)
+            self._stream.flush()
 
 
 def bind_request_ids(client_request_id: str, internal_request_id: str) -> None:
