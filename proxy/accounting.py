@@ -9,6 +9,7 @@ stopped, with the tokens the engine produced after the client left.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -157,16 +158,17 @@ class Accounting:
             if state.tunnel is not None:
                 line["websocket_bytes_in"] = state.tunnel.bytes_from_client
 
-        def report(tokens_after_disconnect: int | None) -> None:
-            self._report(state, level, line, tokens, tokens_after_disconnect, ending.exc)
-
         stopping = state.stopping
         if stopping is None:
-            report(None)
+            self._report(state, level, line, tokens, None, exc=ending.exc)
         elif stopping.stopped:
-            report(stopping.tokens_after_disconnect)
+            self._report(
+                state, level, line, tokens, stopping.tokens_after_disconnect, exc=ending.exc
+            )
         else:
-            stopping.on_stopped = report
+            stopping.on_stopped = functools.partial(
+                self._report, state, level, line, tokens, exc=ending.exc
+            )
 
     def _report(
         self,
@@ -175,6 +177,7 @@ class Accounting:
         line: dict[str, object] | None,
         tokens: int,
         tokens_after_disconnect: int | None,
+        *,
         exc: BaseException | None,
     ) -> None:
         """What the engine says the request used, once known: at the handler's end, or once

@@ -22,9 +22,11 @@ from types import ModuleType
 # The data plane, every one of them on the path of each chunk or each request. Not compiled:
 # `forward.py`, a request's life (its cost is awaits on aiohttp's objects; and the tests
 # patch its module globals, which compiled code calls without looking them up), `aborts.py`
-# (the tests patch a method of its tracker: a compiled class takes no new attributes), and
+# (the tests patch a method of its tracker: a compiled class takes no new attributes),
 # `token_shapes.py`, the data the token counter reads (mypyc's dataclasses take ClassVar
-# declarations for fields, mypyc/mypyc#1122).
+# declarations for fields, mypyc/mypyc#1122), `request_body.py` (the streamed body is an
+# async generator, which mypyc does not compile) and `request_state.py` (compiled, its
+# dataclass fails at import on a field's annotation: `KeyError: 'object'` from mypyc 1.x).
 COMPILED_MODULES = (
     "proxy.upstream_connection",
     "proxy.upstream_exchange",
@@ -34,6 +36,8 @@ COMPILED_MODULES = (
     "proxy.usage_events",
     "proxy.headers",
     "proxy.accounting",
+    "proxy.registry",
+    "proxy.metrics",
 )
 
 # "1" at run time: the pure-Python modules even where compiled ones are installed. (At build

@@ -33,6 +33,10 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+# The `code` label by a status' first digit (1xx to 5xx; aiohttp answers nothing else).
+_STATUS_CLASSES = tuple(f"{digit}xx" for digit in range(10))
+
+
 def route_label(path: str) -> str:
     path = path.rstrip("/") or "/"
     return path if path in KNOWN_ROUTES else "other"
@@ -278,7 +282,7 @@ class Metrics:
         self.aborts.inc(engine, result)
 
     def _count_ending(self, route: str, status: int, outcome: str) -> None:
-        self.requests.inc(route, f"{status // 100}xx")
+        self.requests.inc(route, _STATUS_CLASSES[status // 100])
         self.outcomes.inc(outcome)
 
     def record_first_byte(self, route: str, seconds: float) -> None:
