@@ -62,7 +62,7 @@ _CONTENT_FIELDS = frozenset(
         "content",
     }
 )
-_CONTAINERS = (dict, list, tuple)
+_CONTAINERS = frozenset({dict, list, tuple})
 # The request a line belongs to: (client ID, internal ID), set once per request task.
 _REQUEST_IDS: ContextVar[tuple[str, str] | None] = ContextVar("tether_request_ids", default=None)
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s,;\"']+")
@@ -228,9 +228,9 @@ class Redactor:
     def __call__(
         self, _logger: object, _method: str, event: structlog.types.EventDict
     ) -> structlog.types.EventDict:
-        if self._plain.issuperset(event) and not any(
-            value.__class__ in _CONTAINERS for value in event.values()
-        ):
+        # (Both tests in C: on the line per request a generator over the values cost more
+        # than the rest of this step.)
+        if self._plain.issuperset(event) and _CONTAINERS.isdisjoint(map(type, event.values())):
             return {key: value for key, value in event.items() if value is not None}
         return self._clean(event, top_level=True)
 
