@@ -66,7 +66,14 @@ _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s,;\"']+")
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']+@")
 
 
-def configure_logging(log_format: LogFormat, level: LogLevel, secrets: Iterable[str] = ()) -> None:
+def configure_logging(
+    log_format: LogFormat,
+    level: LogLevel,
+    secrets: Iterable[str] = (),
+    worker: int | None = None,
+) -> None:
+    """`worker`: the index of the supervisor's worker this process is, named on every line
+    (the workers share one stdout)."""
     numeric_level = logging.getLevelName(level.value.upper())
     redact = Redactor(secrets)
     # Each step is on the one line per request, so each is the cheap form of structlog's own
@@ -76,6 +83,8 @@ def configure_logging(log_format: LogFormat, level: LogLevel, secrets: Iterable[
         structlog.processors.add_log_level,
         _UtcTimestamp(),
     ]
+    if worker is not None:
+        shared.append(_WorkerIndex(worker))
     renderer: structlog.types.Processor
     if log_format is LogFormat.JSON:
         renderer = render_json
@@ -127,6 +136,21 @@ def _add_request_ids(
         event.setdefault("internal_request_id", ids[1])
         event.setdefault("client_request_id", ids[0])
     return event
+
+
+class _WorkerIndex:
+    """`worker=<index>` on every line."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+
+    def __call__(
+        self, _logger: object, _method: str, event: structlog.types.EventDict
+    ) -> structlog.types.EventDict:
+        event["worker"] = self._index
+        return event
 
 
 class _UtcTimestamp:
