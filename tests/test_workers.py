@@ -132,17 +132,19 @@ async def test_metrics_are_the_sum_over_workers(
     and its own: workers running, restarts."""
     _, engine_url = await fake_engine(max_tokens=2)
     process = await tether_process(engine_url, **TWO_WORKERS)
-    requests = 12
+    requests, served_by = 0, set[int]()
     connector = aiohttp.TCPConnector(force_close=True)  # a new connection per request
     async with aiohttp.ClientSession(connector=connector) as fresh:
-        for _ in range(requests):
-            async with fresh.post(process.url(), json=chat_body(stream=False)) as response:
-                assert response.status == 200
-    await poll_until(
-        lambda: len(process.events("request_finished")) == requests, 5, what="every line"
-    )
-    if {entry["worker"] for entry in process.events("request_finished")} != {0, 1}:
-        pytest.skip("the kernel hashed every connection onto one worker (1 in 2048)")
+        while requests < 12 or served_by != {0, 1}:
+            assert requests < MAX_CONNECTIONS, "every connection landed on one worker"
+            request_id = f"sum-{requests}"
+            headers = {"X-Request-Id": request_id}
+            async with fresh.post(process.url(), json=chat_body(stream=False), headers=headers):
+                pass
+            requests += 1
+            line = await process.wait_event("request_finished", client_request_id=request_id)
+            assert line["status"] == 200
+            served_by.add(line["worker"])
 
     text = await _metrics(process, http)
     route, ok = "/v1/chat/completions", "2xx"
@@ -341,6 +343,28 @@ def test_a_bad_workers_value_stops_start_up_naming_it(
     done = run_tether_cli(collected_log, env=env)
     assert done.returncode == 2
     assert "TETHER_WORKERS: must be a whole number of at least 1, or auto" in done.stderr
+
+
+def test_a_worker_that_fails_to_start_stops_start_up(
+    tmp_path: Path, collected_log: CollectedLog
+) -> None:
+    """A worker that cannot start (here: its admin socket's path, under a TMPDIR too long
+    for a Unix socket, cannot be bound) makes the supervisor exit 1 saying which worker
+    failed and how, instead of restarting it in a loop."""
+    long_tmp = tmp_path / ("d" * 120)
+    long_tmp.mkdir()
+    env = {
+        "TETHER_UPSTREAM_URL": "http://127.0.0.1:9",
+        "TETHER_PORT": "0",
+        "TETHER_ADMIN_PORT": "0",
+        "TETHER_WORKERS": "2",
+        "TMPDIR": str(long_tmp),
+    }
+    done = run_tether_cli(collected_log, env=env)
+    assert done.returncode == 1
+    assert "tether: could not start: worker 0 exited while starting (exit_code 1)" in done.stderr
+    assert "AF_UNIX path too long" in done.stdout + done.stderr
+    assert "worker_restarted" not in done.stdout
 
 
 @pytest.mark.parametrize(
