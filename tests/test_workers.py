@@ -22,6 +22,7 @@ from tether_fake_engine import GenerationState
 from .support.chat import chat_body
 from .support.collected_log import CollectedLog
 from .support.metrics import metric_in_text
+from .support.net import free_port
 from .support.processes import TetherProcess, TetherProcessFactory, run_tether_cli
 from .support.raw_http import RawClient
 from .support.upstreams import FakeEngineFactory
@@ -191,6 +192,38 @@ async def test_abort_by_client_id_reaches_whichever_worker_holds_it(
     assert done.stdout.startswith(f"aborted {on_1.client_request_id!r} on ")
     await engine.wait_for(lambda: on_1.internal_request_id in engine.aborted_ids())
     assert engine.aborted_ids() == {on_0.internal_request_id, on_1.internal_request_id}
+
+
+async def test_a_fleet_abort_asks_the_other_replicas_once_and_skips_itself(
+    fake_engine: FakeEngineFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    """`"scope": "fleet"` on the supervisor: its workers abort locally, and each peer is
+    asked once; the peer list naming the supervisor itself (as a DNS answer does) is
+    recognised by its instance ID and left out."""
+    engine, engine_url = await fake_engine(token_interval=0.02)
+    other = await tether_process(engine_url, TETHER_ADMIN_TOKEN=TOKEN)
+    admin_port = free_port()
+    peers = f"127.0.0.1:{admin_port},127.0.0.1:{other.admin_port}"
+    process = await tether_process(
+        engine_url, TETHER_ADMIN_PORT=str(admin_port), TETHER_FLEET_PEERS=peers, **TWO_WORKERS
+    )
+    client = await RawClient.connect(other.port)
+    await client.send_request(chat_body(max_tokens=100_000), headers={"X-Request-Id": "away"})
+    await client.read_until(b"tok0")
+
+    body = {"request_id": "away", "scope": "fleet"}
+    async with http.post(process.admin_url("/admin/abort"), json=body, headers=ADMIN) as response:
+        assert response.status == 200
+        answer = await response.json()
+    assert answer["aborted"] == [] and answer["aborted_total"] == 1
+    [peer] = answer["peers"]
+    assert peer["peer"] == f"127.0.0.1:{other.admin_port}" and peer["status"] == "ok"
+    [internal_id] = engine.generations
+    assert peer["aborted"] == [internal_id]
+    await engine.wait_for(lambda: engine.aborted_ids() == {internal_id})
+    await client.read_until_cut()
 
 
 async def test_admin_calls_need_the_token_on_the_supervisor_too(
