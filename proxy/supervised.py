@@ -8,12 +8,14 @@ readiness is withdrawn at once, every worker drains, then the admin port closes.
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import structlog
 from aiohttp import web
 
 from .runner import LISTEN_BACKLOG, listening_socket, started_facts
 from .settings import RequestIdMode, Settings
+from .supervisor import StartupError
 from .supervisor_admin import SUPERVISOR, create_supervisor_app
 
 log = structlog.get_logger("tether.runner")
@@ -21,14 +23,12 @@ log = structlog.get_logger("tether.runner")
 
 async def serve_workers(settings: Settings, count: int, stop: asyncio.Event) -> None:
     """Run `count` workers until `stop` is set, then shut down gracefully. Raises
-    `supervisor.StartupError` when they cannot start."""
+    `StartupError` when they cannot start."""
     app = create_supervisor_app(settings, count)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()  # reserves the client port, starts the workers
     try:
-        admin_socket = listening_socket(
-            settings.admin_host, settings.admin_port, settings.tcp_keepalive_idle
-        )
+        admin_socket = _admin_socket(settings)
         await web.SockSite(runner, admin_socket, backlog=LISTEN_BACKLOG).start()
         supervisor = app[SUPERVISOR]
         log.info(
@@ -53,3 +53,16 @@ async def serve_workers(settings: Settings, count: int, stop: asyncio.Event) -> 
     finally:
         await runner.cleanup()
     log.info("shutdown_finished")
+
+
+def _admin_socket(settings: Settings) -> socket.socket:
+    """The admin port, bound once the workers run (so /readyz never answers for workers that
+    are not there yet); a port in use stops start-up naming it (the workers are stopped)."""
+    host, port = settings.admin_host, settings.admin_port
+    try:
+        return listening_socket(host, port, settings.tcp_keepalive_idle)
+    except OSError as exc:
+        raise StartupError(
+            f"TETHER_ADMIN_HOST:TETHER_ADMIN_PORT {host}:{port} cannot be used: "
+            f"{exc.strerror or exc}"
+        ) from None

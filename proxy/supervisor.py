@@ -89,9 +89,7 @@ class Worker:
 class Supervisor:
     """The workers' processes."""
 
-    def __init__(
-        self, settings: Settings, port: int, lifeline: int, workers: list[Worker]
-    ) -> None:
+    def __init__(self, settings: Settings, port: int, lifeline: int, workers: list[Worker]) -> None:
         self._settings = settings
         self.port = port
         self._lifeline = lifeline

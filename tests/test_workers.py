@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,28 @@ def test_a_bad_workers_value_stops_start_up_naming_it(
     done = run_tether_cli(collected_log, env=env)
     assert done.returncode == 2
     assert "TETHER_WORKERS: must be a whole number of at least 1, or auto" in done.stderr
+
+
+def test_a_client_port_in_use_stops_start_up_naming_it(collected_log: CollectedLog) -> None:
+    """The supervisor binds the client port before any worker starts: one that another
+    process holds stops start-up at once, exit 1, naming TETHER_PORT."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {
+            "TETHER_UPSTREAM_URL": "http://127.0.0.1:9",
+            "TETHER_HOST": "127.0.0.1",
+            "TETHER_PORT": str(port),
+            "TETHER_ADMIN_PORT": "0",
+            "TETHER_WORKERS": "2",
+        }
+        done = run_tether_cli(collected_log, env=env)
+    assert done.returncode == 1
+    assert done.stderr.startswith(
+        f"tether: could not start: TETHER_HOST:TETHER_PORT 127.0.0.1:{port} cannot be used: "
+    )
+    assert "worker_started" not in done.stdout
 
 
 def test_a_worker_that_fails_to_start_stops_start_up(
