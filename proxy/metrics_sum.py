@@ -3,8 +3,9 @@
 Samples of the same name and labels add up (counters, histogram buckets, sums and counts,
 gauges that count, like requests in flight); a gauge that is a state is the minimum over the
 workers instead (`tether_upstream_ready` is 1 only if every worker's engine check passes).
-A worker that exits takes its counts with it; they are kept as the worker's last scrape
-(`retire`) so the sums never go down, which Prometheus would read as a counter reset.
+A worker that exits takes its counts with it; the supervisor keeps them as of its last scrape
+(`cumulative`, added as `retired`) so the sums never go down, which Prometheus would read
+as a counter reset.
 """
 
 from __future__ import annotations

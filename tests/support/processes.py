@@ -3,7 +3,8 @@
 - In the test's event loop (the in-process suite): the real `tether` (`start_tether_process`,
   its output kept for the test and copied line by line into the run's collected log) and the
   fake engine (`start_engine_process`), each returned once it answers its probe or failed
-  early with what it printed; `run_tether_cli` for a `tether` run to its end. The
+  early with what it printed (`TetherProcess.events` and `wait_event` read its JSON log
+  lines, its workers' too); `run_tether_cli` for a `tether` run to its end. The
   `tether_process` and `engine_process` fixtures in `tests/conftest.py` stop whatever a test
   left running.
 - Blocking (the real-engine suites, whose clients run in threads, and smg): `spawn` a command in its
