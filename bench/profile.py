@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench.runner import raise_nofile
-from bench.systems import CLIENT_CORE, engine, pinned, tether
+from bench.systems import CLIENT_CORES, engine, pinned, tether
 from bench.workloads import FULL, paced_latency, relay, request_overhead, stream_overhead
 
 SAMPLE_RATE_HZ = 250
@@ -84,7 +84,7 @@ def main() -> None:
     if py_spy is None:
         parser.error("py-spy is not installed: pip install py-spy")
     nofile = raise_nofile()
-    os.sched_setaffinity(0, {CLIENT_CORE})
+    os.sched_setaffinity(0, CLIENT_CORES)
     stamp = f"{datetime.datetime.now(datetime.UTC):%Y%m%dT%H%M%SZ}"
     output = Path(__file__).parent / "results" / f"{stamp}-profile-{args.workload}.txt"
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def main() -> None:
                 [py_spy, "record", *native, "-p", pid, "-r", rate, "-f", "raw", "-o", str(output)],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=pinned(CLIENT_CORE),
+                preexec_fn=pinned(CLIENT_CORES),
             )
             if args.workload == "relay":
                 figures = relay(FULL, fake_engine, system, streams=64)

@@ -18,7 +18,8 @@ from bench.workloads import Figures
 Results = dict[str, dict[str, Figures]]
 # (header, numerator, denominator): tether against nginx, smg (the closest peer) and a direct
 # connection, what turning tracing on costs tether, what asking the engine for usage costs
-# it, and what its compiled data plane saves over the pure-Python one.
+# it, what its compiled data plane saves over the pure-Python one, and what a second worker
+# (on both cores) buys tether next to what it buys nginx on the same machine.
 RATIOS = (
     ("tether/nginx", "tether", "nginx"),
     ("tether/smg", "tether", "smg"),
@@ -26,6 +27,8 @@ RATIOS = (
     ("otel/tether", "tether_otel", "tether"),
     ("tether/nousage", "tether", "tether_nousage"),
     ("tether/pure", "tether", "tether_pure"),
+    ("nginx 2w/1w", "nginx_2w", "nginx"),
+    ("tether 2w/1w", "tether_2w", "tether"),
 )
 SPANS = "spans"  # not a workload: the spans tether_otel exported over the round
 # The relay "runs at" the offered rate when it carries at least this share of it; below,

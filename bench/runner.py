@@ -92,6 +92,10 @@ def variant_workloads(profile: Profile) -> dict[str, frozenset[str]]:
         f"requests_{profile.requests_concurrency}",
     }
     streams = f"streams_{profile.requests_concurrency}"
+    two_workers = frozenset(
+        {f"relay_{n}" for n in profile.relay_streams}
+        | {"paced_256", f"requests_{profile.requests_concurrency}", streams}
+    )
     return {
         "tether_info": frozenset(many_requests | {streams}),
         "tether_otel": frozenset(many_requests | {"paced"}),
@@ -101,6 +105,10 @@ def variant_workloads(profile: Profile) -> dict[str, frozenset[str]]:
         # The compiled data plane saves per event (both paces: one event per read, and the
         # many streams where tether's core is busiest) and per request.
         "tether_pure": frozenset(many_requests | {streams, "paced", "paced_256"}),
+        # A second worker matters where one core is the limit: saturated relays, many
+        # streams, many requests.
+        "nginx_2w": two_workers,
+        "tether_2w": two_workers,
     }
 
 
@@ -125,7 +133,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "nginx": nginx.removeprefix("nginx version: "),
         "core_split": f"proxy (nginx master+worker, tether) on core {PROXY_CORE}; "
-        f"fake engine, load generator and runner on core {CLIENT_CORE}",
+        f"fake engine, load generator and runner on core {CLIENT_CORE}; "
+        "nginx_2w and tether_2w on both",
     }
 
 

@@ -4,8 +4,11 @@ Each system is a listening address plus the pid whose process tree is "the proxy
 for a direct connection): direct, nginx, smg (SGLang's Rust model gateway, the closest
 peer), tether, and variants of tether: at log level info (`tether_info`), with tracing on
 (`tether_otel`), without asking for usage (`tether_nousage`), on its pure-Python data plane
-(`tether_pure`: TETHER_NO_EXTENSIONS=1, where `tether` runs the compiled one). Processes
-are pinned with sched_setaffinity before exec (smg's threads with it).
+(`tether_pure`: TETHER_NO_EXTENSIONS=1, where `tether` runs the compiled one). `nginx_2w`
+and `tether_2w` run two workers (`worker_processes 2`, TETHER_WORKERS=2) on both cores,
+which they share with the engine and the load generator: what a second core buys on this
+machine, nginx's ratio being the reference for what the machine allows. Processes are pinned
+with sched_setaffinity before exec (smg's threads with it, the workers with their parent).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from pathlib import Path
 
 PROXY_CORE = 0
 CLIENT_CORE = 1  # engine, load generator and this runner
+PROXY_CORES = frozenset({PROXY_CORE})
+CLIENT_CORES = frozenset({CLIENT_CORE})
+BOTH_CORES = frozenset({PROXY_CORE, CLIENT_CORE})  # the two-worker systems
 STARTUP_TIMEOUT_S = 30.0
 REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m bench.<module>` resolves
 # Every system the bench knows, in the order of the table's columns.
@@ -37,13 +43,15 @@ SYSTEMS = (
     "tether_otel",
     "tether_nousage",
     "tether_pure",
+    "nginx_2w",
+    "tether_2w",
 )
 
 NGINX_CONF = """\
-worker_processes 1;
+worker_processes {workers};
 worker_rlimit_nofile {nofile};
-pid {tmp}/nginx.pid;
-error_log {tmp}/nginx-error.log warn;
+pid {tmp}/{name}.pid;
+error_log {tmp}/{name}-error.log warn;
 events {{
     worker_connections {nofile};
 }}
@@ -98,9 +106,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def pinned(core: int) -> Callable[[], None]:
-    """A preexec_fn that pins the child to one core."""
-    return lambda: os.sched_setaffinity(0, {core})
+def pinned(cores: frozenset[int]) -> Callable[[], None]:
+    """A preexec_fn that pins the child (and what it starts) to these cores."""
+    return lambda: os.sched_setaffinity(0, cores)
 
 
 def wait_http_ok(url: str, process: subprocess.Popen[bytes]) -> None:
@@ -122,7 +130,7 @@ def wait_http_ok(url: str, process: subprocess.Popen[bytes]) -> None:
 def running(
     args: list[str],
     *,
-    core: int,
+    cores: frozenset[int],
     log: Path,
     env: dict[str, str] | None = None,
     cwd: Path = REPO_ROOT,
@@ -134,7 +142,7 @@ def running(
             stderr=subprocess.STDOUT,
             env=env,
             cwd=cwd,
-            preexec_fn=pinned(core),
+            preexec_fn=pinned(cores),
         )
         try:
             yield process
@@ -151,7 +159,7 @@ def running(
 def engine(tmp: Path) -> Iterator[Engine]:
     port = free_port()
     args = [sys.executable, "-m", "bench.engine", "--port", str(port)]
-    with running(args, core=CLIENT_CORE, log=tmp / "engine.log") as process:
+    with running(args, cores=CLIENT_CORES, log=tmp / "engine.log") as process:
         wait_http_ok(f"http://127.0.0.1:{port}/health", process)
         yield Engine(port, process.pid)
 
@@ -162,14 +170,23 @@ def nginx_binary() -> str:
 
 
 @contextmanager
-def nginx(tmp: Path, engine_port: int, nofile: int) -> Iterator[System]:
+def nginx(
+    tmp: Path, engine_port: int, nofile: int, *, name: str = "nginx", workers: int = 1
+) -> Iterator[System]:
+    """nginx with `workers` worker processes, on the proxy's core (both cores with more than
+    one worker)."""
     port = free_port()
-    conf = tmp / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(tmp=tmp, engine_port=engine_port, port=port, nofile=nofile))
+    conf = tmp / f"{name}.conf"
+    conf.write_text(
+        NGINX_CONF.format(
+            tmp=tmp, name=name, engine_port=engine_port, port=port, nofile=nofile, workers=workers
+        )
+    )
     args = [nginx_binary(), "-c", str(conf), "-g", "daemon off;"]
-    with running(args, core=PROXY_CORE, log=tmp / "nginx.log") as process:
+    cores = PROXY_CORES if workers == 1 else BOTH_CORES
+    with running(args, cores=cores, log=tmp / f"{name}.log") as process:
         wait_http_ok(f"http://127.0.0.1:{port}/health", process)
-        yield System("nginx", port, process.pid)
+        yield System(name, port, process.pid)
 
 
 def console_script(name: str) -> str | None:
@@ -213,7 +230,7 @@ def smg(tmp: Path, engine_port: int) -> Iterator[System]:
         raise FileNotFoundError("no `smg` command: pip install -e '.[test]' installs it")
     port, metrics_port = free_port(), free_port()
     args = smg_launch(executable, f"http://127.0.0.1:{engine_port}", port, metrics_port)
-    with running(args, core=PROXY_CORE, log=tmp / "smg.log") as process:
+    with running(args, cores=PROXY_CORES, log=tmp / "smg.log") as process:
         wait_http_ok(f"http://127.0.0.1:{port}/readiness", process)
         yield System("smg", port, process.pid)
 
@@ -236,10 +253,12 @@ def tether(
     traced: bool = False,
     ask_for_usage: bool = True,
     pure: bool = False,
+    workers: int = 1,
 ) -> Iterator[System]:
     """tether in front of the engine; `traced` exports its spans to the engine's OTLP sink;
     without `ask_for_usage` it leaves request bodies and streams as they are; `pure` runs its
-    pure-Python modules even where the compiled ones are installed."""
+    pure-Python modules even where the compiled ones are installed; more than one of
+    `workers` runs them under a supervisor, on both cores."""
     port, admin_port = free_port(), free_port()
     # No OTEL_* from the caller's environment: under the default TETHER_TRACING=auto an
     # exporter endpoint would turn tracing on, and a sampler would change what it costs.
@@ -254,6 +273,7 @@ def tether(
         "TETHER_LOG_FORMAT": "json",
         "TETHER_TRACING": "off",
         "TETHER_ASK_FOR_USAGE": "true" if ask_for_usage else "false",
+        "TETHER_WORKERS": str(workers),
         # Not a setting: which code runs the data plane (`proxy.compiled`).
         "TETHER_NO_EXTENSIONS": "1" if pure else "",
     }
@@ -265,8 +285,9 @@ def tether(
             "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{engine_port}",
         }
     # The temp dir as working directory keeps a stray .env in the checkout out of tether.
+    cores = PROXY_CORES if workers == 1 else BOTH_CORES
     with running(
-        [tether_binary()], core=PROXY_CORE, log=tmp / f"{name}.log", env=env, cwd=tmp
+        [tether_binary()], cores=cores, log=tmp / f"{name}.log", env=env, cwd=tmp
     ) as process:
         wait_http_ok(f"http://127.0.0.1:{admin_port}/readyz", process)
         yield System(name, port, process.pid)
@@ -323,6 +344,14 @@ def all_systems(
             elif name == "tether_pure":
                 systems[name] = stack.enter_context(
                     tether(tmp, engine_port, name=name, log_level="warning", pure=True)
+                )
+            elif name == "nginx_2w":
+                systems[name] = stack.enter_context(
+                    nginx(tmp, engine_port, nofile, name=name, workers=2)
+                )
+            elif name == "tether_2w":
+                systems[name] = stack.enter_context(
+                    tether(tmp, engine_port, name=name, log_level="warning", workers=2)
                 )
             else:
                 raise ValueError(f"unknown system {name!r}")

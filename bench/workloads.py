@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.procstat import settle, wait_for_quiet
 from bench.stats import summarize_us
-from bench.systems import CLIENT_CORE, REPO_ROOT, Engine, System, pinned
+from bench.systems import CLIENT_CORES, REPO_ROOT, Engine, System, pinned
 
 Figures = dict[str, float | int | None]
 SPAN_WAIT_S = 10.0  # two of the SDK's default batch periods
@@ -123,7 +123,7 @@ def run_loadgen(
         input=json.dumps(spec).encode(),
         capture_output=True,
         cwd=REPO_ROOT,
-        preexec_fn=pinned(CLIENT_CORE),
+        preexec_fn=pinned(CLIENT_CORES),
         timeout=300,
         check=False,
     )

@@ -67,6 +67,7 @@ SEE_ALSO: dict[str, tuple[str, str]] = {
         "engines.md#never-worse-than-a-plain-close",
     ),
     "abort_repeat_delay": ("the confirm window", "engines.md#never-worse-than-a-plain-close"),
+    "workers": ("all cores", "operations.md#all-cores-tether_workers"),
     "shutdown_grace": ("shutdown", "operations.md#shutdown-and-drain"),
     "ask_for_usage": ("exact usage", "operations.md#exact-usage-for-every-request"),
     "upstream_health_path": ("probes", "operations.md#probes"),
@@ -167,6 +168,10 @@ def _plain(annotation: object) -> tuple[object, list[object]]:
 
 def describe_type(field: FieldInfo) -> str:
     annotation, metadata = _plain(field.annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        # A number or a word (TETHER_WORKERS: 2 or auto): each member described.
+        members = typing.get_args(annotation)
+        return " or ".join(describe_type(FieldInfo(annotation=member)) for member in members)
     bounds = _bounds([*field.metadata, *metadata])
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return ", ".join(f"`{member.value}`" for member in annotation)

@@ -24,7 +24,8 @@ seeing their own. Configured by environment variables only (a .env file is read 
 
 {{settings}}
 
-Exit codes: 0 after a graceful shutdown (SIGTERM/SIGINT), 2 on a bad setting.
+Exit codes: 0 after a graceful shutdown (SIGTERM/SIGINT), 2 on a bad setting, 1 when
+TETHER_WORKERS > 1 could not start (the client port in use, a worker that failed).
 """
 
 
@@ -75,18 +76,30 @@ def _serve_main(args: list[str]) -> int:
     configure_logging(settings.log_format, settings.log_level, settings.secret_values())
     # `*_created` series double the exposition for no use in Prometheus queries.
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
-    uvloop.run(_run(settings))
-    return 0
+    return uvloop.run(_run(settings))
 
 
-async def _run(settings: Settings) -> None:
+async def _run(settings: Settings) -> int:
+    from .cpus import worker_count
     from .runner import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await serve(settings, stop)
+    count = worker_count(settings.workers)
+    if count == 1:
+        await serve(settings, stop)
+        return 0
+    from .supervised import serve_workers
+    from .supervisor import StartupError
+
+    try:
+        await serve_workers(settings, count, stop)
+    except StartupError as error:
+        print(f"tether: could not start: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from .errors import (
     error_response,
 )
 from .request_state import Outcome
+from .settings import Settings
 
 log = structlog.get_logger("tether.admin")
 
@@ -72,7 +73,7 @@ async def list_requests(request: web.Request) -> web.Response:
     """Every in-flight request: client and internal ID, method, path, phase, age, bytes."""
     ctx = _context(request)
     try:
-        _check_authorised(request, ctx)
+        check_authorised(request, ctx.settings)
     except AdminError as error:
         return error_response(error)
     now = time.monotonic()
@@ -89,8 +90,8 @@ async def abort_request(request: web.Request) -> web.Response:
     """
     ctx = _context(request)
     try:
-        _check_authorised(request, ctx)
-        request_id, scope = await _abort_target(request)
+        check_authorised(request, ctx.settings)
+        request_id, scope = await abort_target(request)
         if scope == "fleet" and not ctx.fleet.configured:
             raise FleetNotConfiguredError()
     except AdminError as error:
@@ -124,7 +125,7 @@ async def abort_request(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
-async def _abort_target(request: web.Request) -> tuple[str, str]:
+async def abort_target(request: web.Request) -> tuple[str, str]:
     """The request ID and scope an abort call names."""
     try:
         payload = await request.json()
@@ -137,8 +138,8 @@ async def _abort_target(request: web.Request) -> tuple[str, str]:
     return request_id, scope
 
 
-def _check_authorised(request: web.Request, ctx: ProxyContext) -> None:
-    token = ctx.settings.admin_token
+def check_authorised(request: web.Request, settings: Settings) -> None:
+    token = settings.admin_token
     if token is None:
         raise AdminDisabledError()
     sent = request.headers.get("Authorization", "")

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import re
+import select
 import sys
 import threading
 import time
@@ -69,7 +70,14 @@ _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s,;\"']+")
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']+@")
 
 
-def configure_logging(log_format: LogFormat, level: LogLevel, secrets: Iterable[str] = ()) -> None:
+def configure_logging(
+    log_format: LogFormat,
+    level: LogLevel,
+    secrets: Iterable[str] = (),
+    worker: int | None = None,
+) -> None:
+    """`worker`: the index of the supervisor's worker this process is, named on every line
+    (the workers share one stdout)."""
     numeric_level = logging.getLevelName(level.value.upper())
     redact = Redactor(secrets)
     # Each step is on the one line per request, so each is the cheap form of structlog's own
@@ -79,6 +87,8 @@ def configure_logging(log_format: LogFormat, level: LogLevel, secrets: Iterable[
         structlog.processors.add_log_level,
         _UtcTimestamp(),
     ]
+    if worker is not None:
+        shared.append(_WorkerIndex(worker))
     renderer: structlog.types.Processor
     if log_format is LogFormat.JSON:
         renderer = render_json
@@ -139,8 +149,7 @@ class LoopTurnLines:
         if loop is None:
             if self._pending and threading.current_thread() is threading.main_thread():
                 self.write_pending()  # the loop has stopped: its lines come first
-            self._stream.write(text)
-            self._stream.flush()
+            self._write(text)
         else:
             self._pending.append(text)
             if self._scheduled_on is not loop:
@@ -152,12 +161,25 @@ class LoopTurnLines:
         """Asked after every record: the write is the loop turn's (see `write`)."""
 
     def write_pending(self) -> None:
+        """The waiting lines, in writes a pipe keeps whole: workers of one supervisor share
+        the stream, and a write up to PIPE_BUF bytes is never interleaved with another's
+        (JSON lines are ASCII, a character a byte)."""
         self._scheduled_on = None
-        if self._pending:
-            text = "".join(self._pending)
-            self._pending.clear()
-            self._stream.write(text)
-            self._stream.flush()
+        batch: list[str] = []
+        size = 0
+        for line in self._pending:
+            if batch and size + len(line) > select.PIPE_BUF:
+                self._write("".join(batch))
+                batch, size = [], 0
+            batch.append(line)
+            size += len(line)
+        self._pending.clear()
+        if batch:
+            self._write("".join(batch))
+
+    def _write(self, text: str) -> None:
+        self._stream.write(text)
+        self._stream.flush()
 
 
 def bind_request_ids(client_request_id: str, internal_request_id: str) -> None:
@@ -174,6 +196,21 @@ def _add_request_ids(
         event.setdefault("internal_request_id", ids[1])
         event.setdefault("client_request_id", ids[0])
     return event
+
+
+class _WorkerIndex:
+    """`worker=<index>` on every line."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+
+    def __call__(
+        self, _logger: object, _method: str, event: structlog.types.EventDict
+    ) -> structlog.types.EventDict:
+        event["worker"] = self._index
+        return event
 
 
 class _UtcTimestamp:

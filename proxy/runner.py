@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import os
 import socket
+from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
@@ -33,16 +35,17 @@ _KEEPALIVE_PROBES = 3
 _CANCEL_SETTLE_SECONDS = 5.0
 
 
-def listening_socket(host: str, port: int, keepalive_idle: int) -> socket.socket:
+def listening_socket(
+    host: str, port: int, keepalive_idle: int, *, reuse_port: bool = False
+) -> socket.socket:
     """A listening socket whose accepted connections inherit TCP keepalive settings (Linux),
     so a client that vanished without FIN or RST is noticed within about a minute: by the
     probes while nothing is sent to it, and by TCP_USER_TIMEOUT (the same time) while its
     stream or WebSocket session is, where keepalive never probes and retransmissions
     would go on for a quarter of an hour. (nginx's `send_timeout` also gives a client
-    that accepts nothing 60 s.)"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    that accepts nothing 60 s.) With `reuse_port`, workers each listen on the same port and
+    the kernel spreads new connections over them."""
+    sock = tcp_socket(host, reuse_port=reuse_port)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if hasattr(socket, "TCP_KEEPIDLE"):
         interval = max(1, keepalive_idle // 3)
@@ -61,11 +64,47 @@ def listening_socket(host: str, port: int, keepalive_idle: int) -> socket.socket
     return sock
 
 
+def tcp_socket(host: str, *, reuse_port: bool) -> socket.socket:
+    """A TCP socket for `host`'s address family, not yet bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return sock
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSeat:
+    """Where one of a supervisor's workers listens: the client port it shares with the other
+    workers, and its own admin app on a Unix socket only the supervisor can reach."""
+
+    index: int
+    port: int
+    admin_socket: str
+
+
+def started_facts(settings: Settings) -> dict[str, str]:
+    """What the `tether_started` line says besides the ports."""
+    return {
+        "upstream_url": settings.upstream_url,
+        "engine": settings.engine.value,
+        # compiled (mypyc), or pure Python and why: `proxy.compiled`
+        "extensions": compiled.extensions(),
+    }
+
+
 class TetherServer:
     """The proxy and admin servers with their lifetimes; `stop()` is the graceful shutdown."""
 
-    def __init__(self, settings: Settings, tracer_provider: object | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        tracer_provider: object | None = None,
+        seat: WorkerSeat | None = None,
+    ) -> None:
         self.settings = settings
+        self.seat = seat
         self.app = create_app(settings, tracer_provider)
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner = web.AppRunner(
@@ -110,24 +149,28 @@ class TetherServer:
             shutdown_timeout=1.0,
         )
         await self._proxy_runner.setup()
-        proxy_socket = listening_socket(settings.host, settings.port, settings.tcp_keepalive_idle)
+        seat = self.seat
+        proxy_socket = listening_socket(
+            settings.host,
+            settings.port if seat is None else seat.port,
+            settings.tcp_keepalive_idle,
+            reuse_port=seat is not None,
+        )
         self._proxy_site = web.SockSite(self._proxy_runner, proxy_socket, backlog=LISTEN_BACKLOG)
         await self._proxy_site.start()
         self.port = proxy_socket.getsockname()[1]
         await self._admin_runner.setup()
+        if seat is not None:
+            await web.UnixSite(self._admin_runner, seat.admin_socket).start()
+            log.info("worker_started", pid=os.getpid(), port=self.port)
+            return
         admin_socket = listening_socket(
             settings.admin_host, settings.admin_port, settings.tcp_keepalive_idle
         )
         await web.SockSite(self._admin_runner, admin_socket, backlog=LISTEN_BACKLOG).start()
         self.admin_port = admin_socket.getsockname()[1]
         log.info(
-            "tether_started",
-            port=self.port,
-            admin_port=self.admin_port,
-            upstream_url=settings.upstream_url,
-            engine=settings.engine.value,
-            # compiled (mypyc), or pure Python and why: `proxy.compiled`
-            extensions=compiled.extensions(),
+            "tether_started", port=self.port, admin_port=self.admin_port, **started_facts(settings)
         )
 
     async def stop(self) -> None:
@@ -186,14 +229,14 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     """Run until `stop` is set, then shut down gracefully."""
     server = TetherServer(settings)
     await server.start()
-    _settle_heap()
+    settle_heap()
     try:
         await stop.wait()
     finally:
         await server.stop()
 
 
-def _settle_heap() -> None:
+def settle_heap() -> None:
     """What exists once tether serves (modules, settings, the app: some 60,000 objects)
     lives as long as the process: it is moved out of the cyclic collector's sight, which
     would otherwise walk all of it in every full collection (every few hundred requests)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -63,6 +63,8 @@ class LogLevel(StrEnum):
 
 
 Seconds = Annotated[float, Field(gt=0)]
+AUTO = "auto"
+WorkerCount = Annotated[int, Field(ge=1)] | Literal["auto"]
 
 
 class _SettingsHead(BaseSettings):
@@ -161,6 +163,14 @@ class Settings(EngineSettings, _SettingsHead):
         "call is repeated on a fresh connection after this many seconds, then at doubling "
         "intervals until the confirm timeout; 0 disables the repeats.",
     )
+    workers: WorkerCount = Field(
+        1,
+        description="Processes serving the client port (the kernel spreads connections over "
+        "them, SO_REUSEPORT), under one supervisor that owns the admin port and sums their "
+        "answers; auto: the CPUs the container may use (affinity, capped by the cgroup's "
+        "CPU quota). 1 is one process without a supervisor. With more than 1, preserve "
+        "mode's duplicate check holds per worker only.",
+    )
     shutdown_grace: float = Field(
         30.0,
         ge=0,
@@ -232,6 +242,18 @@ class Settings(EngineSettings, _SettingsHead):
     @classmethod
     def _case_insensitive_choice(cls, value: Any) -> Any:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _count_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.strip().lower()
+            if value == AUTO:
+                return value
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"must be a whole number of at least 1, or {AUTO}")
+            return int(value)
+        return value
 
     @field_validator("admin_token", "upstream_admin_key")
     @classmethod

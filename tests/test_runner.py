@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
+
 from proxy.runner import listening_socket
 
 
@@ -27,3 +29,17 @@ async def test_accepted_connections_inherit_keepalive_and_nodelay() -> None:
     finally:
         client.close()
         listener.close()
+
+
+def test_workers_listen_on_one_port_with_reuse_port() -> None:
+    """With `reuse_port`, a second listening socket binds the port the first one holds (the
+    supervisor's workers share the client port); without it, it cannot."""
+    first = listening_socket("127.0.0.1", 0, keepalive_idle=30, reuse_port=True)
+    port = first.getsockname()[1]
+    try:
+        second = listening_socket("127.0.0.1", port, keepalive_idle=30, reuse_port=True)
+        second.close()
+        with pytest.raises(OSError):
+            listening_socket("127.0.0.1", port, keepalive_idle=30)
+    finally:
+        first.close()

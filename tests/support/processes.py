@@ -3,7 +3,8 @@
 - In the test's event loop (the in-process suite): the real `tether` (`start_tether_process`,
   its output kept for the test and copied line by line into the run's collected log) and the
   fake engine (`start_engine_process`), each returned once it answers its probe or failed
-  early with what it printed; `run_tether_cli` for a `tether` run to its end. The
+  early with what it printed (`TetherProcess.events` and `wait_event` read its JSON log
+  lines, its workers' too); `run_tether_cli` for a `tether` run to its end. The
   `tether_process` and `engine_process` fixtures in `tests/conftest.py` stop whatever a test
   left running.
 - Blocking (the real-engine suites, whose clients run in threads, and smg): `spawn` a command in its
@@ -80,6 +81,32 @@ class TetherProcess:
         """Everything the process printed so far (complete lines)."""
         return "".join(self._output)
 
+    def events(self, event: str) -> list[dict[str, Any]]:
+        """Its JSON log lines of `event` so far (the workers' lines too: they share its
+        stdout)."""
+        found = []
+        for line in self.output().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("event") == event:
+                found.append(entry)
+        return found
+
+    async def wait_event(
+        self, event: str, timeout: float = EXIT_TIMEOUT, **fields: object
+    ) -> dict[str, Any]:
+        """The first JSON line of `event` with these field values, waiting up to `timeout`."""
+
+        def logged() -> dict[str, Any] | None:
+            for entry in self.events(event):
+                if all(entry.get(key) == value for key, value in fields.items()):
+                    return entry
+            return None
+
+        return await poll_until(logged, timeout, interval=0.02, what=f"{event} {fields} logged")
+
     def send_signal(self, signum: int) -> None:
         self.process.send_signal(signum)
 
@@ -139,8 +166,9 @@ async def start_tether_process(
     ready_timeout: float = READY_TIMEOUT,
 ) -> TetherProcess:
     """`python -m proxy` in front of `engine_url`, both its ports on `host` (free ports unless
-    `env` sets TETHER_PORT / TETHER_ADMIN_PORT), with the TETHER_* settings in `env` on top
-    of test defaults (fast health checks, no repeated abort); returns once `/readyz` is 200.
+    `env` sets TETHER_PORT / TETHER_ADMIN_PORT; with TETHER_PORT=0 the port is read from its
+    `tether_started` line), with the TETHER_* settings in `env` on top of test defaults (fast
+    health checks, no repeated abort); returns once `/readyz` is 200.
     `prefix` runs it under another command (e.g. `unshare` for a private /etc/hosts)."""
     settings = {
         "TETHER_UPSTREAM_URL": engine_url,
@@ -167,6 +195,8 @@ async def start_tether_process(
     tether._start_pump()
     try:
         await _wait_ready(process, tether.admin_url("/readyz"), ready_timeout, tether.output)
+        if port == 0:
+            tether.port = int((await tether.wait_event("tether_started"))["port"])
     except BaseException:
         await tether.close()
         raise
