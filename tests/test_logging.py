@@ -3,11 +3,16 @@ per disconnect and per abort."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import select
+import threading
 from datetime import UTC, datetime
 
 import aiohttp
+
+from proxy.logging import LoopTurnLines
 
 from .support.chat import chat_body
 from .support.processes import TetherProcessFactory
@@ -59,3 +64,47 @@ async def test_every_line_is_json_and_requests_are_summarised(
     assert abort["engine_request_ids"] == [f"chatcmpl-{gone['internal_request_id']}"]
     assert abort["engine_stop_ms"] >= 0
     assert isinstance(abort["tokens_after_disconnect"], int)
+
+
+class _Writes:
+    """A stream that records each flushed write (what one system call would carry)."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+        self._buffer = ""
+
+    def write(self, text: str) -> int:
+        self._buffer += text
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buffer:
+            self.writes.append(self._buffer)
+            self._buffer = ""
+
+
+async def test_lines_of_one_loop_turn_go_out_together_in_order_and_whole() -> None:
+    """The log stream: a turn's lines wait for its end, then go out in order, in writes no
+    longer than PIPE_BUF (workers share a pipe; a longer write could be cut into by
+    another's); a line written with no loop running follows what waited."""
+    stream = _Writes()
+    lines = LoopTurnLines(stream)  # type: ignore[arg-type]  # a TextIO for the writes it makes
+    written = [f'{{"event": "line_{index}", "padding": "{"x" * 300}"}}\n' for index in range(40)]
+    for line in written:
+        lines.write(line)
+    lines.flush()
+    assert stream.writes == []  # nothing before the turn ends
+    await asyncio.sleep(0)
+    assert "".join(stream.writes) == "".join(written)
+    assert len(stream.writes) > 1
+    assert all(len(write) <= select.PIPE_BUF for write in stream.writes)
+    assert all(write.endswith("\n") for write in stream.writes)  # never a line cut in two
+
+    stream.writes.clear()
+    lines.write("waiting\n")
+    other = threading.Thread(target=lines.write, args=("from another thread\n",))
+    other.start()  # no loop there: written at once, while this turn's line waits
+    other.join(timeout=5)
+    assert stream.writes == ["from another thread\n"]
+    lines.write_pending()  # (at exit)
+    assert stream.writes == ["from another thread\n", "waiting\n"]
