@@ -24,6 +24,7 @@ from .errors import (
     InvalidAdminTokenError,
     error_response,
 )
+from .fleet import Fleet, PeerResult
 from .request_state import Outcome
 from .settings import Settings
 
@@ -101,27 +102,37 @@ async def abort_request(request: web.Request) -> web.Response:
         for state in ctx.registry.find(request_id)
         if state.stop(Outcome.ADMIN_ABORTED)
     ]
+    peers = await ctx.fleet.abort(request_id) if scope == "fleet" else []
+    return abort_answer(request_id, scope, ctx.fleet, aborted, peers)
+
+
+def abort_answer(
+    request_id: str,
+    scope: str,
+    fleet: Fleet,
+    aborted: list[str],
+    peers: list[PeerResult],
+    **extra: object,
+) -> web.Response:
+    """The answer to an abort call, one tether's or the supervisor's for its workers (with
+    `extra` members: the workers that could not be asked), and its log line."""
     answer: dict[str, object] = {
         "request_id": request_id,
         "scope": scope,
-        "replica": ctx.fleet.replica,
-        "instance": ctx.fleet.instance_id,
+        "replica": fleet.replica,
+        "instance": fleet.instance_id,
         "aborted": aborted,
+        **extra,
     }
+    fan_out: dict[str, object] = {}
     if scope == "fleet":
-        peers = await ctx.fleet.abort(request_id)
         answer["peers"] = [peer.as_json() for peer in peers]
         answer["aborted_total"] = len(aborted) + sum(len(peer.aborted) for peer in peers)
-        log.info(
-            "admin_abort",
-            request_id=request_id,
-            scope=scope,
-            aborted=aborted,
-            aborted_total=answer["aborted_total"],
-            unreachable=[peer.peer for peer in peers if peer.status != "ok"],
-        )
-    else:
-        log.info("admin_abort", request_id=request_id, scope=scope, aborted=aborted)
+        fan_out = {
+            "aborted_total": answer["aborted_total"],
+            "unreachable": [peer.peer for peer in peers if peer.status != "ok"],
+        }
+    log.info("admin_abort", request_id=request_id, scope=scope, aborted=aborted, **fan_out, **extra)
     return web.json_response(answer)
 
 

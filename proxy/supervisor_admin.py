@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from . import metrics_sum
-from .admin import abort_target, check_authorised, healthz
+from .admin import abort_answer, abort_target, check_authorised, healthz
 from .errors import AdminError, FleetNotConfiguredError, error_response
 from .fleet import Fleet
 from .settings import Settings
@@ -183,28 +183,9 @@ async def abort_request(request: web.Request) -> web.Response:
     else:
         (found, errors), peers = await workers_ask, []
     aborted = [internal_id for ids in found for internal_id in ids]
-    answer: dict[str, object] = {
-        "request_id": request_id,
-        "scope": scope,
-        "replica": fleet.replica,
-        "instance": fleet.instance_id,
-        "aborted": aborted,
-    }
     if errors:
-        answer["worker_errors"] = errors
-    if scope == "fleet":
-        answer["peers"] = [peer.as_json() for peer in peers]
-        answer["aborted_total"] = len(aborted) + sum(len(peer.aborted) for peer in peers)
-    log.info(
-        "admin_abort",
-        request_id=request_id,
-        scope=scope,
-        aborted=aborted,
-        aborted_total=answer.get("aborted_total"),
-        unreachable=[peer.peer for peer in peers if peer.status != "ok"] if peers else None,
-        worker_errors=errors or None,
-    )
-    return web.json_response(answer)
+        return abort_answer(request_id, scope, fleet, aborted, peers, worker_errors=errors)
+    return abort_answer(request_id, scope, fleet, aborted, peers)
 
 
 async def _ask_running(
