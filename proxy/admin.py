@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
@@ -32,18 +33,38 @@ log = structlog.get_logger("tether.admin")
 
 PROXY_APP = web.AppKey("tether_proxy_app", web.Application)
 _SCOPES = ("local", "fleet")
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_admin_app(proxy_app: web.Application) -> web.Application:
     """The admin app reads the proxy app's context (created by the proxy app's cleanup)."""
     app = web.Application()
     app[PROXY_APP] = proxy_app
+    add_admin_routes(
+        app,
+        readyz=readyz,
+        metrics=metrics,
+        list_requests=list_requests,
+        abort_request=abort_request,
+    )
+    return app
+
+
+def add_admin_routes(
+    app: web.Application,
+    *,
+    readyz: _Handler,
+    metrics: _Handler,
+    list_requests: _Handler,
+    abort_request: _Handler,
+) -> None:
+    """The admin API's routes, one tether's or the supervisor's for its workers: the same
+    paths and methods, so an operator, a probe or `tether abort` cannot tell them apart."""
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/requests", list_requests)
     app.router.add_post("/admin/abort", abort_request)
-    return app
 
 
 def _context(request: web.Request) -> ProxyContext:

@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from . import metrics_sum
-from .admin import abort_answer, abort_target, check_authorised, healthz
+from .admin import abort_answer, abort_target, add_admin_routes, check_authorised
 from .errors import AdminError, FleetNotConfiguredError, error_response
 from .fleet import Fleet
 from .settings import Settings
@@ -50,11 +50,13 @@ def create_supervisor_app(settings: Settings, count: int) -> web.Application:
     app[SETTINGS] = settings
     app[WORKER_COUNT] = count
     app.cleanup_ctx.append(_supervision)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/admin/requests", list_requests)
-    app.router.add_post("/admin/abort", abort_request)
+    add_admin_routes(
+        app,
+        readyz=readyz,
+        metrics=metrics,
+        list_requests=list_requests,
+        abort_request=abort_request,
+    )
     return app
 
 
