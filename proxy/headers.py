@@ -131,3 +131,28 @@ def client_response_headers(
     result = _end_to_end(headers, also_drop, client_request_id_header)
     result[client_request_id_header] = client_request_id
     return result
+
+
+def request_head(
+    method: str,
+    target: str,
+    host: str,
+    headers: CIMultiDict[str],
+    *,
+    content_length: int | None,
+    chunked: bool,
+) -> bytes:
+    """A request's line and headers as they go on the wire to the engine: `target` as the
+    client sent it (re-encoding could change what the engine routes on), `Host` naming the
+    engine, the framing tether chose."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}\r\n")
+    if content_length is not None:
+        lines.append(f"Content-Length: {content_length}\r\n")
+    elif chunked:
+        lines.append("Transfer-Encoding: chunked\r\n")
+    lines.append("\r\n")
+    # aiohttp decodes header bytes as UTF-8 with surrogate escapes: this gives back exactly
+    # the bytes the client sent.
+    return "".join(lines).encode("utf-8", "surrogateescape")

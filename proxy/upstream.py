@@ -14,6 +14,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from .engines import AbortCall
+from .headers import request_head
 from .settings import Settings
 from .upstream_exchange import UpstreamExchange
 from .upstream_pool import UpstreamPool
@@ -111,18 +112,15 @@ class UpstreamClient:
         content_length: int | None,
         chunked: bool,
     ) -> bytes:
-        """The request line and headers as they go on the wire: the path as the client sent
-        it (re-encoding could change what the engine routes on), `Host` naming the engine."""
-        lines = [f"{method} {self._base_path}{path_qs} HTTP/1.1", f"Host: {self._host_header}"]
-        lines.extend(f"{name}: {value}" for name, value in headers.items())
-        if content_length is not None:
-            lines.append(f"Content-Length: {content_length}")
-        elif chunked:
-            lines.append("Transfer-Encoding: chunked")
-        lines.append("\r\n")
-        # aiohttp decodes header bytes as UTF-8 with surrogate escapes: this gives back exactly
-        # the bytes the client sent.
-        return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+        """The request line and headers for this engine (its base path, its `Host`)."""
+        return request_head(
+            method,
+            self._base_path + path_qs,
+            self._host_header,
+            headers,
+            content_length=content_length,
+            chunked=chunked,
+        )
 
     async def send_abort(self, call: AbortCall, timeout: float, *, fresh: bool = False) -> int:
         """Send one abort call (on a new connection when `fresh`); return the engine's status.

@@ -6,7 +6,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from proxy.headers import HOP_BY_HOP, client_response_headers, upstream_request_headers
+from proxy.headers import (
+    HOP_BY_HOP,
+    client_response_headers,
+    request_head,
+    upstream_request_headers,
+)
 
 from .support.canaries import CANARY_SECRET
 
@@ -205,3 +210,28 @@ def test_no_hop_by_hop_header_ever_crosses(headers: list[tuple[str, str]]) -> No
         assert not result_names & _CONNECTION_SPECIFIC
         never_named = {name.lower() for name in _NEVER_NAMED}
         assert not result_names & (named - added - never_named)
+
+
+def test_the_request_head_is_the_line_host_headers_and_framing_as_sent() -> None:
+    """The bytes the engine gets: the target untouched, `Host` naming the engine, each header
+    once in order (a repeated one twice), the framing tether chose, the client's own bytes
+    (aiohttp's surrogate escapes) given back."""
+    headers = CIMultiDict([("Accept", "a"), ("X-Tag", "1"), ("X-Tag", "2")])
+    headers.add("X-Raw", b"caf\xe9".decode("utf-8", "surrogateescape"))
+    expected_headers = b"Accept: a\r\nX-Tag: 1\r\nX-Tag: 2\r\nX-Raw: caf\xe9\r\n"
+    line = b"POST /base/v1/chat%2Fx?q=%20 HTTP/1.1\r\nHost: engine:8000\r\n"
+    table: list[tuple[int | None, bool, bytes]] = [
+        (12, False, b"Content-Length: 12\r\n"),
+        (None, True, b"Transfer-Encoding: chunked\r\n"),
+        (None, False, b""),
+    ]
+    for content_length, chunked, framing_line in table:
+        head = request_head(
+            "POST",
+            "/base/v1/chat%2Fx?q=%20",
+            "engine:8000",
+            headers,
+            content_length=content_length,
+            chunked=chunked,
+        )
+        assert head == line + expected_headers + framing_line + b"\r\n"
