@@ -203,16 +203,24 @@ async def stream_body(
 
 
 async def _read_whole(request: web.BaseRequest, limit: int, timeout: float) -> bytes:
+    content = request.content
+    if content.is_eof():  # all of it arrived already (most requests): one read, no awaits
+        whole = content.read_nowait()
+        if len(whole) > limit:
+            raise _too_large(limit)
+        return whole
     chunks: list[bytes] = []
     size = 0
     while chunk := await _read_chunk(request, timeout):
         size += len(chunk)
         if size > limit:
-            raise RequestBodyTooLargeError(
-                f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)"
-            )
+            raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _too_large(limit: int) -> RequestBodyTooLargeError:
+    return RequestBodyTooLargeError(f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)")
 
 
 async def _read_chunk(request: web.BaseRequest, timeout: float) -> bytes:

@@ -698,6 +698,32 @@ async def test_expect_100_continue_is_refused_before_an_upload_tether_would_refu
     await settled(server)
 
 
+async def test_a_chunked_json_body_over_the_limit_is_refused_however_it_arrives(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """A JSON body with no declared length is measured as it is read: over the limit it is a
+    413 whether it arrived whole in one write (read at once) or in pieces (read as they
+    come), and the engine never sees it."""
+    engine, engine_url = await fake_engine()
+    server = await tether(engine_url, max_json_body=100)
+    head = request_head(
+        headers=[("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")]
+    )
+    body = json.dumps(chat_body(stream=False, max_tokens=2) | {"pad": "x" * 200}).encode()
+    chunk = f"{len(body):x}\r\n".encode() + body + b"\r\n"
+    for pieces in ([head + chunk + b"0\r\n\r\n"], [head + chunk, b"0\r\n\r\n"]):
+        client = await RawClient.connect(server.port)
+        for piece in pieces:
+            await client.send(piece)
+
+        reply = await client.read_reply()
+
+        assert reply.status == 413
+        assert reply.json()["error"]["code"] == "request_body_too_large"
+    nothing_reached(engine)
+    await settled(server)
+
+
 async def test_pipelined_requests_are_answered_in_order_with_their_own_ids(
     fake_engine: FakeEngineFactory, tether: TetherFactory
 ) -> None:
