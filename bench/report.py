@@ -19,7 +19,8 @@ Results = dict[str, dict[str, Figures]]
 # (header, numerator, denominator): tether against nginx, smg (the closest peer) and a direct
 # connection, what turning tracing on costs tether, what asking the engine for usage costs
 # it, what its compiled data plane saves over the pure-Python one, and what a second worker
-# (on both cores) buys tether next to what it buys nginx on the same machine.
+# (on both cores) buys tether next to what it buys nginx on the same machine, and what tether
+# costs above the least proxy its stack makes.
 RATIOS = (
     ("tether/nginx", "tether", "nginx"),
     ("tether/smg", "tether", "smg"),
@@ -29,6 +30,7 @@ RATIOS = (
     ("tether/pure", "tether", "tether_pure"),
     ("nginx 2w/1w", "nginx_2w", "nginx"),
     ("tether 2w/1w", "tether_2w", "tether"),
+    ("tether/floor", "tether", "aiohttp_floor"),
 )
 SPANS = "spans"  # not a workload: the spans tether_otel exported over the round
 # The relay "runs at" the offered rate when it carries at least this share of it; below,

@@ -109,6 +109,8 @@ def variant_workloads(profile: Profile) -> dict[str, frozenset[str]]:
         # streams, many requests.
         "nginx_2w": two_workers,
         "tether_2w": two_workers,
+        # The floor relays and answers; it has no disconnect handling to measure.
+        "aiohttp_floor": frozenset(many_requests | {streams, "paced", "paced_256"}),
     }
 
 

@@ -7,7 +7,9 @@ peer), tether, and variants of tether: at log level info (`tether_info`), with t
 (`tether_pure`: TETHER_NO_EXTENSIONS=1, where `tether` runs the compiled one). `nginx_2w`
 and `tether_2w` run two workers (`worker_processes 2`, TETHER_WORKERS=2) on both cores,
 which they share with the engine and the load generator: what a second core buys on this
-machine, nginx's ratio being the reference for what the machine allows. Processes are pinned
+machine, nginx's ratio being the reference for what the machine allows. `aiohttp_floor` is
+the least proxy tether's stack makes (`bench/floor_proxy.py`): what is left above it is
+tether's own. Processes are pinned
 with sched_setaffinity before exec (smg's threads with it, the workers with their parent).
 """
 
@@ -45,6 +47,7 @@ SYSTEMS = (
     "tether_pure",
     "nginx_2w",
     "tether_2w",
+    "aiohttp_floor",
 )
 
 NGINX_CONF = """\
@@ -310,6 +313,17 @@ def tether_extensions(pure: bool = False) -> str:
 
 
 @contextmanager
+def aiohttp_floor(tmp: Path, engine_port: int) -> Iterator[System]:
+    """`bench/floor_proxy.py` on the proxy's core: the floor under tether's figures."""
+    port = free_port()
+    args = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port)]
+    args += ["--engine-port", str(engine_port)]
+    with running(args, cores=PROXY_CORES, log=tmp / "aiohttp_floor.log") as process:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process)
+        yield System("aiohttp_floor", port, process.pid)
+
+
+@contextmanager
 def all_systems(
     tmp: Path, names: list[str], nofile: int
 ) -> Iterator[tuple[Engine, dict[str, System]]]:
@@ -353,6 +367,8 @@ def all_systems(
                 systems[name] = stack.enter_context(
                     tether(tmp, engine_port, name=name, log_level="warning", workers=2)
                 )
+            elif name == "aiohttp_floor":
+                systems[name] = stack.enter_context(aiohttp_floor(tmp, engine_port))
             else:
                 raise ValueError(f"unknown system {name!r}")
         yield fake_engine, systems

@@ -1,0 +1,116 @@
+"""The least a proxy built on tether's stack does: the floor under tether's figures.
+
+`python -m bench.floor_proxy --port P --engine-port E`: aiohttp's server on uvloop, each
+request's body read whole and sent with its head on a pooled keep-alive connection to the
+engine, the response parsed with httptools (llhttp) and relayed: a body of known length
+whole, a chunked one piece by piece as it arrives. Nothing else: no IDs of its own, no
+checks, no disconnect handling, no metrics, no logs. Not a proxy anyone should run; the
+bench's `aiohttp_floor` system, so that what tether costs above the stack it is built on
+(aiohttp's server, the event loop, CPython) is measured in the same run as the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import cast
+
+import httptools
+import uvloop
+from aiohttp import web
+
+# Request headers the floor sets itself.
+_FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+
+
+class EngineConnection(asyncio.Protocol):
+    """One keep-alive connection to the engine, one response at a time."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.head: asyncio.Future[tuple[int, list[tuple[bytes, bytes]]]] | None = None
+        self.pieces: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._headers: list[tuple[bytes, bytes]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        assert self.head is not None
+        self.head.set_result((self._parser.get_status_code(), self._headers))
+        self._headers = []
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.put_nowait(body)
+
+    def on_message_complete(self) -> None:
+        self.pieces.put_nowait(None)
+
+
+class FloorProxy:
+    def __init__(self, engine_port: int) -> None:
+        self._engine_port = engine_port
+        self._idle: list[EngineConnection] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        engine = self._idle.pop() if self._idle else await self._connect()
+        engine.head = asyncio.get_running_loop().create_future()
+        lines = [f"{request.method} {request.raw_path} HTTP/1.1\r\nHost: engine\r\n"]
+        lines += [f"{n}: {v}\r\n" for n, v in request.headers.items() if n.lower() not in _FRAMING]
+        lines.append(f"Content-Length: {len(body)}\r\n\r\n")
+        assert engine.transport is not None
+        engine.transport.write("".join(lines).encode() + body)
+        status, raw_headers = await engine.head
+        headers = {n.decode(): v.decode() for n, v in raw_headers}
+        length = headers.pop("content-length", None) or headers.pop("Content-Length", None)
+        for name in ("transfer-encoding", "Transfer-Encoding", "connection", "Connection"):
+            headers.pop(name, None)
+        if length is not None:
+            whole = b""
+            while (piece := await engine.pieces.get()) is not None:
+                whole += piece
+            self._idle.append(engine)
+            return web.Response(status=status, headers=headers, body=whole)
+        response = web.StreamResponse(status=status, headers=headers)
+        await response.prepare(request)
+        while (piece := await engine.pieces.get()) is not None:
+            await response.write(piece)
+        self._idle.append(engine)
+        await response.write_eof()
+        return response
+
+    async def _connect(self) -> EngineConnection:
+        loop = asyncio.get_running_loop()
+        _, connection = await loop.create_connection(
+            EngineConnection, "127.0.0.1", self._engine_port
+        )
+        return connection
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.floor_proxy", description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--engine-port", type=int, required=True)
+    args = parser.parse_args()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", FloorProxy(args.engine_port).handle)
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        access_log=None,
+        print=None,
+        loop=uvloop.new_event_loop(),
+    )
+
+
+if __name__ == "__main__":
+    main()
