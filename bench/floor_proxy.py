@@ -19,7 +19,7 @@ import httptools
 import uvloop
 from aiohttp import web
 
-# Request headers the floor sets itself.
+# Headers the floor frames itself, both ways.
 _FRAMING = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
 
@@ -69,16 +69,18 @@ class FloorProxy:
         assert engine.transport is not None
         engine.transport.write("".join(lines).encode() + body)
         status, raw_headers = await engine.head
-        headers = {n.decode(): v.decode() for n, v in raw_headers}
-        length = headers.pop("content-length", None) or headers.pop("Content-Length", None)
-        for name in ("transfer-encoding", "Transfer-Encoding", "connection", "Connection"):
-            headers.pop(name, None)
-        if length is not None:
-            whole = b""
+        names = [name.decode().lower() for name, _ in raw_headers]
+        headers = {
+            name: value.decode()
+            for name, (_, value) in zip(names, raw_headers, strict=True)
+            if name not in _FRAMING
+        }
+        if "content-length" in names:
+            pieces = []
             while (piece := await engine.pieces.get()) is not None:
-                whole += piece
+                pieces.append(piece)
             self._idle.append(engine)
-            return web.Response(status=status, headers=headers, body=whole)
+            return web.Response(status=status, headers=headers, body=b"".join(pieces))
         response = web.StreamResponse(status=status, headers=headers)
         await response.prepare(request)
         while (piece := await engine.pieces.get()) is not None:
