@@ -85,6 +85,10 @@ CallOutcome = tuple[_CallResult, int, str]  # result, attempts, detail
 _CALLS_IN_FLIGHT = 8
 _CALLS_IN_FLIGHT_UNMERGED = 32
 _IDS_PER_CALL = 256
+# Where each call names one request (SGLang), a batch's items are named this many at a time.
+_CALLS_PER_UNMERGED_ABORT = 4
+# Engine IDs a log line or span event names (with their count): a sample, never a batch.
+LOGGED_ENGINE_IDS = 4
 
 
 class _CallQueue:
@@ -396,10 +400,13 @@ class AbortTracker:
         if outcome is _CallResult.ACCEPTED:
             self._metrics.record_tokens_after_disconnect(request.state.route_label, tokens_after)
         latency_ms = round((answered - request.since) * 1000, 2)
+        named = request.engine_request_ids
         fields: dict[str, object] = {
             "internal_request_id": request.state.internal_request_id,
             "client_request_id": request.state.client_request_id,
-            "engine_request_ids": list(request.engine_request_ids),
+            # A batch names many: a sample of them and their count, never the whole list.
+            "engine_request_ids": list(named[:LOGGED_ENGINE_IDS]),
+            "engine_request_count": len(named),
             "result": result.value,
             "attempts": attempts,
             "repeats": repeats,
@@ -410,7 +417,8 @@ class AbortTracker:
         if span is not None:
             span.event(
                 "abort_sent",
-                engine_request_ids=",".join(request.engine_request_ids),
+                engine_request_ids=",".join(named[:LOGGED_ENGINE_IDS]),
+                engine_request_count=len(named),
                 attempts=attempts,
                 latency_ms=latency_ms,
             )
@@ -569,12 +577,17 @@ class AbortTracker:
         made together, where the engine's abort names a single request (an SGLang batch)."""
         if len(engine_request_ids) == 1 or self._engine.merges_aborts:
             return await self._send_naming(engine_request_ids, fresh)
-        outcomes = await asyncio.gather(
-            *(
-                self._send_naming((engine_request_id,), fresh)
-                for engine_request_id in engine_request_ids
+        # A few at a time: a batch's abort never holds more than a few engine connections.
+        outcomes: list[CallOutcome] = []
+        for start in range(0, len(engine_request_ids), _CALLS_PER_UNMERGED_ABORT):
+            outcomes += await asyncio.gather(
+                *(
+                    self._send_naming((engine_request_id,), fresh)
+                    for engine_request_id in engine_request_ids[
+                        start : start + _CALLS_PER_UNMERGED_ABORT
+                    ]
+                )
             )
-        )
         attempts = sum(attempts for _, attempts, _ in outcomes)
         # Accepted only if every call was; else the first that was not says why.
         result, _, detail = next(

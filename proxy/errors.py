@@ -62,6 +62,11 @@ class RequestBodyTooLargeError(ClientRequestError):
     pass
 
 
+class TooManyEngineRequestsError(ClientRequestError, ValueError):
+    """A batch (times its samples) that would make more engine requests than tether names
+    in one abort (TETHER_MAX_ENGINE_REQUESTS)."""
+
+
 class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
     """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
 
@@ -207,6 +212,7 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
     DuplicateRequestIdError: ErrorKind(409, _INVALID, "duplicate_request_id", _INFO),
     InvalidRequestBodyError: ErrorKind(400, _INVALID, "invalid_request_body", _INFO),
     RequestBodyTooLargeError: ErrorKind(413, _INVALID, "request_body_too_large", _INFO),
+    TooManyEngineRequestsError: ErrorKind(400, _INVALID, "too_many_engine_requests", _INFO),
     ClientBodyTimeoutError: ErrorKind(408, _TIMEOUT, "client_body_timeout", _INFO),
     BlockedRouteError: ErrorKind(403, _PERMISSION, "blocked_route", _INFO),
     RouteNotAllowedError: ErrorKind(403, _PERMISSION, "route_not_allowed", _INFO),

@@ -42,6 +42,7 @@ from .errors import (
     ShuttingDownError,
     StoppedByTetherError,
     TetherError,
+    TooManyEngineRequestsError,
     error_response,
 )
 from .headers import client_response_headers, upstream_request_headers
@@ -236,9 +237,15 @@ async def _send(
         json_rule=ctx.engine.json_rule,
         keep_client_id=_preserving(state) and not state.id_in_header,
     )
-    state.body = outgoing.facts
-    if outgoing.facts.client_id is not None:
-        _adopt_body_id(ctx, state, outgoing.facts.client_id, headers)
+    state.body = facts = outgoing.facts
+    engine_requests = (facts.batch or 1) * facts.samples
+    if engine_requests > settings.max_engine_requests:
+        raise TooManyEngineRequestsError(
+            f"the request would start {engine_requests} engine requests (prompts times n); "
+            f"the limit is {settings.max_engine_requests} (TETHER_MAX_ENGINE_REQUESTS)"
+        )
+    if facts.client_id is not None:
+        _adopt_body_id(ctx, state, facts.client_id, headers)
     if state.span is not None:
         # The engine's own span (vLLM's llm_request) nests under tether's.
         headers.update(state.span.engine_headers())

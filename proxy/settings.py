@@ -201,6 +201,14 @@ class Settings(EngineSettings, _SettingsHead):
         gt=0,
         description="Largest JSON request body (bytes) tether reads to write its ID into.",
     )
+    max_engine_requests: int = Field(
+        256,
+        ge=1,
+        description="Most engine requests one client request may start where tether reads "
+        "them from its body (the prompts of a batch times its n samples); more is refused "
+        "with 400. Each may have to be named in an abort call, so the bound keeps a client "
+        "from multiplying abort calls and their size.",
+    )
     tcp_keepalive_idle: int = Field(
         30,
         ge=1,

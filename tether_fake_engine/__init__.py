@@ -28,7 +28,7 @@ import json
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -37,6 +37,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.engines import REQUEST_ID_HEADER, BodyField, Route, sglang, vllm
+
+_Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 class AbortRoute(StrEnum):
@@ -171,6 +173,11 @@ class FakeEngine:
         # Seconds from an abort call's answer until it ends its requests: an engine whose
         # scheduler acts on aborts at a later step (SGLang's, under load).
         self.abort_takes = 0.0
+        # Seconds each abort call takes to answer, and the most calls seen in flight at once
+        # (how many engine connections one abort holds).
+        self.abort_answer_delay = 0.0
+        self.aborts_in_flight = 0
+        self.peak_aborts_in_flight = 0
         self._pending_aborts: set[asyncio.Task[None]] = set()
         self.print_aborts = False  # the CLI prints each abort call it honours
         self.requests: list[SeenRequest] = []
@@ -221,9 +228,9 @@ class FakeEngine:
             app.router.add_post(path, self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post(_DEV_ABORT, self._abort_vllm)
-        app.router.add_post(_SCALE_OUT_ABORT, self._abort_vllm)
-        app.router.add_post(sglang.ABORT_PATH, self._abort_sglang)
+        app.router.add_post(_DEV_ABORT, self._counted(self._abort_vllm))
+        app.router.add_post(_SCALE_OUT_ABORT, self._counted(self._abort_vllm))
+        app.router.add_post(sglang.ABORT_PATH, self._counted(self._abort_sglang))
         app.router.add_route("*", "/echo/{tail:.*}", self._echo)
         app.on_shutdown.append(self._stop_generations)
         return app
@@ -546,6 +553,21 @@ class FakeEngine:
         return web.Response(body=_compact(document), content_type="application/json")
 
     # --- abort routes -------------------------------------------------------------------
+
+    def _counted(self, handler: _Handler) -> _Handler:
+        """An abort handler whose calls in flight are counted (and delayed, if asked)."""
+
+        async def counted(request: web.Request) -> web.Response:
+            self.aborts_in_flight += 1
+            self.peak_aborts_in_flight = max(self.peak_aborts_in_flight, self.aborts_in_flight)
+            try:
+                if self.abort_answer_delay > 0:
+                    await asyncio.sleep(self.abort_answer_delay)
+                return await handler(request)
+            finally:
+                self.aborts_in_flight -= 1
+
+        return counted
 
     async def _abort_vllm(self, request: web.Request) -> web.Response:
         route_on = {
