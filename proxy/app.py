@@ -23,7 +23,7 @@ from .health import Readiness
 from .metrics import Metrics
 from .registry import Registry
 from .request_ids import IdMinter
-from .settings import Settings
+from .settings import RequestIdMode, Settings
 from .tracing import Tracer
 from .upstream import UpstreamClient
 
@@ -65,7 +65,7 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 engine=engine,
                 upstream=upstream,
                 aborts=aborts,
-                registry=Registry(),
+                registry=Registry(prefix_index=settings.request_id_mode is RequestIdMode.PRESERVE),
                 metrics=metrics,
                 accounting=Accounting(
                     metrics,

@@ -54,6 +54,11 @@ class DuplicateRequestIdError(ClientRequestError):
     """Preserve mode: the client's ID is already in flight, and the engine keys by it."""
 
 
+class OverlappingRequestIdError(ClientRequestError):
+    """Preserve mode, in front of an engine that aborts by prefix: the client's ID is a prefix
+    of one in flight, or one in flight is a prefix of it."""
+
+
 class InvalidRequestBodyError(ClientRequestError, ValueError):
     pass
 
@@ -210,6 +215,7 @@ _UPSTREAM = "upstream_error"
 ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
     InvalidRequestIdError: ErrorKind(400, _INVALID, "invalid_request_id", _INFO),
     DuplicateRequestIdError: ErrorKind(409, _INVALID, "duplicate_request_id", _INFO),
+    OverlappingRequestIdError: ErrorKind(409, _INVALID, "overlapping_request_id", _INFO),
     InvalidRequestBodyError: ErrorKind(400, _INVALID, "invalid_request_body", _INFO),
     RequestBodyTooLargeError: ErrorKind(413, _INVALID, "request_body_too_large", _INFO),
     TooManyEngineRequestsError: ErrorKind(400, _INVALID, "too_many_engine_requests", _INFO),

@@ -37,6 +37,7 @@ from .errors import (
     InternalError,
     InvalidRequestIdError,
     MethodNotAllowedError,
+    OverlappingRequestIdError,
     RequestTimeoutError,
     RouteNotAllowedError,
     ShuttingDownError,
@@ -94,13 +95,11 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         _refuse_unforwardable(request, ctx.engine)
         websocket = websocket_asked(request)
         header_request_id = _header_request_id(request, settings.request_id_header)
-        client_request_id = header_request_id or ctx.ids.mint()
         if settings.request_id_mode is RequestIdMode.UNIQUE:
+            client_request_id = header_request_id or ctx.ids.mint()
             internal_request_id = ctx.ids.mint()
-        elif ctx.registry.find(client_request_id):
-            raise DuplicateRequestIdError(_duplicate_message(client_request_id))
         else:
-            internal_request_id = client_request_id
+            client_request_id = internal_request_id = _preserved_id(ctx, header_request_id)
     except TetherError as error:
         return _reject(request, ctx, error)
     bind_request_ids(client_request_id, internal_request_id)
@@ -443,12 +442,48 @@ def _header_request_id(request: web.BaseRequest, header: str) -> str | None:
         raise InvalidRequestIdError(f"the {header} header {exc}") from None
 
 
-def _duplicate_message(request_id: str) -> str:
-    return (
-        f"a request with the ID {request_id!r} is already in flight "
-        "(TETHER_REQUEST_ID_MODE=preserve passes IDs to the engine unchanged, so each "
-        "must be unique while it runs)"
-    )
+# Fresh IDs tried for a request without one in preserve mode before it is refused: each is
+# refused only where an in-flight client ID is a prefix of it (1 in 16 per one-character ID).
+_MINT_TRIES = 4
+
+
+def _preserved_id(ctx: ProxyContext, client_request_id: str | None) -> str:
+    """Preserve mode: the engine runs the client's own ID, or one tether mints where it sent
+    none; neither may be in flight already, or (for an engine that aborts by prefix) be a
+    prefix of one in flight or start with one."""
+    if client_request_id is not None:
+        _refuse_in_flight(ctx, client_request_id)
+        return client_request_id
+    for _ in range(_MINT_TRIES - 1):
+        minted = ctx.ids.mint()
+        if not (ctx.engine.aborts_by_prefix and ctx.registry.prefix_related(minted)):
+            return minted
+    minted = ctx.ids.mint()
+    _refuse_in_flight(ctx, minted)
+    return minted
+
+
+def _refuse_in_flight(ctx: ProxyContext, request_id: str, ignoring: str | None = None) -> None:
+    """Preserve mode: an ID the engine would run a second time is refused (409), and so,
+    where the engine aborts by prefix (SGLang), is one whose abort would stop another
+    request or be stopped by another's."""
+    if ctx.registry.find(request_id):
+        raise DuplicateRequestIdError(
+            f"a request with the ID {request_id!r} is already in flight "
+            "(TETHER_REQUEST_ID_MODE=preserve passes IDs to the engine unchanged, so each "
+            "must be unique while it runs)"
+        )
+    if not ctx.engine.aborts_by_prefix:
+        return
+    related = ctx.registry.prefix_related(request_id, ignoring)
+    if related is not None:
+        shorter, longer = sorted((request_id, related), key=len)
+        raise OverlappingRequestIdError(
+            f"the ID {request_id!r} overlaps one already in flight: {shorter!r} is a prefix of "
+            f"{longer!r}, and this engine aborts every request whose ID starts with the one "
+            "named (TETHER_REQUEST_ID_MODE=preserve passes IDs to the engine unchanged, so "
+            "those in flight must not be prefixes of one another)"
+        )
 
 
 def _preserving(state: RequestState) -> bool:
@@ -478,8 +513,8 @@ def _adopt_body_id(
             state.echo_id = body_id
         return
     preserving = _preserving(state)
-    if preserving and ctx.registry.find(body_id):
-        raise DuplicateRequestIdError(_duplicate_message(body_id))
+    if preserving:  # the request's own ID (tether's, minted) is about to be replaced
+        _refuse_in_flight(ctx, body_id, ignoring=state.internal_request_id)
     internal_request_id = body_id if preserving else state.internal_request_id
     ctx.registry.rename(state, body_id, internal_request_id)
     if preserving:

@@ -168,8 +168,8 @@ class Settings(EngineSettings, _SettingsHead):
         description="Processes serving the client port (the kernel spreads connections over "
         "them, SO_REUSEPORT), under one supervisor that owns the admin port and sums their "
         "answers; auto: the CPUs the container may use (affinity, capped by the cgroup's "
-        "CPU quota). 1 is one process without a supervisor. With more than 1, preserve "
-        "mode's duplicate check holds per worker only.",
+        "CPU quota). 1 is one process without a supervisor. Not with "
+        "TETHER_REQUEST_ID_MODE=preserve, whose in-flight check must see every request.",
     )
     shutdown_grace: float = Field(
         30.0,
@@ -384,6 +384,13 @@ class Settings(EngineSettings, _SettingsHead):
                 f"TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE="
                 f"{_one_of(engines.with_public_routes())} (tether has no route table of "
                 f"{self.engine.value}); list the paths instead"
+            )
+        if self.request_id_mode is RequestIdMode.PRESERVE and self.workers != 1:
+            raise ValueError(
+                "TETHER_REQUEST_ID_MODE=preserve needs TETHER_WORKERS=1: its check that no "
+                "other request with the same ID is in flight sees one process's requests "
+                "only, and a duplicate on another worker would share the engine's ID (its "
+                "client leaving would abort the other's request)"
             )
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")

@@ -14,7 +14,7 @@ import structlog
 from aiohttp import web
 
 from .runner import LISTEN_BACKLOG, listening_socket, started_facts
-from .settings import RequestIdMode, Settings
+from .settings import Settings
 from .supervisor import StartupError
 from .supervisor_admin import SUPERVISOR, create_supervisor_app
 
@@ -38,13 +38,6 @@ async def serve_workers(settings: Settings, count: int, stop: asyncio.Event) -> 
             workers=count,
             **started_facts(settings),
         )
-        if settings.request_id_mode is RequestIdMode.PRESERVE:
-            log.warning(
-                "preserve_duplicate_check_per_worker",
-                workers=count,
-                consequence="two requests with the same ID in flight at once on connections "
-                "that reached different workers both reach the engine",
-            )
         await stop.wait()
         log.info(
             "shutdown_started", workers=supervisor.running, grace_seconds=settings.shutdown_grace

@@ -12,13 +12,14 @@ import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from proxy.runner import TetherServer
-from tether_fake_engine import FakeEngine, GenerationState
+from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .support.chat import chat_body
 from .support.collected_log import CollectedLog
@@ -79,6 +80,72 @@ async def test_preserve_mode_refuses_a_true_duplicate_before_the_engine(
         assert r.status == 200
     registry = server.context.metrics.registry
     assert metric(registry, "tether_request_outcomes_total", outcome="rejected") == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [("a", "ab"), ("ab", "a")], ids=["shorter-first", "longer-first"]
+)
+@pytest.mark.parametrize("where", ["header", "body"])
+async def test_preserve_mode_refuses_an_id_overlapping_one_in_flight_where_aborts_match_prefixes(
+    fake_engine: FakeEngineFactory,
+    tether: TetherFactory,
+    http: aiohttp.ClientSession,
+    first: str,
+    second: str,
+    where: str,
+) -> None:
+    """SGLang aborts every rid that starts with the one named: in preserve mode a second
+    request whose ID is a prefix of one in flight, or starts with one, gets 409
+    `overlapping_request_id` and never reaches the engine; the first is not touched when its
+    client leaves later, and once it ended the ID is free."""
+    engine, engine_url = await fake_engine(abort_route=AbortRoute.SGLANG, token_interval=0.01)
+    server = await tether(engine_url, engine="sglang", request_id_mode="preserve")
+
+    def named(request_id: str, max_tokens: int = 5) -> tuple[dict[str, Any], dict[str, str]]:
+        body = chat_body(max_tokens=max_tokens)
+        if where == "header":
+            return body, {"X-Request-Id": request_id}
+        return {**body, "rid": request_id}, {}
+
+    body, headers = named(first, max_tokens=100_000)
+    client = await RawClient.connect(server.port)
+    await client.send_request(body, headers=headers)
+    await client.read_until(b"tok0")
+
+    body, headers = named(second)
+    async with http.post(url(server), json=body, headers=headers) as refused:
+        assert refused.status == 409
+        assert (await refused.json())["error"]["code"] == "overlapping_request_id"
+    assert [generation.request_id for generation in engine.generations.values()] == [first]
+
+    client.close_fin()
+    await engine.wait_for(lambda: engine.generation(first).state is GenerationState.ABORTED)
+    await settled(server)
+    await drained(server)
+    async with http.post(url(server), json=body, headers=headers) as allowed:
+        assert allowed.status == 200
+
+
+async def test_preserve_mode_lets_prefixes_run_together_where_aborts_match_exactly(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """vLLM aborts exact IDs: `a` and `ab` in flight at once are both served, and `a`'s
+    client leaving stops `a` alone."""
+    engine, engine_url = await fake_engine(token_interval=0.01)
+    server = await tether(engine_url, request_id_mode="preserve")
+    clients = []
+    for request_id in ("a", "ab"):
+        client = await RawClient.connect(server.port)
+        await client.send_request(
+            chat_body(max_tokens=100_000), headers={"X-Request-Id": request_id}
+        )
+        await client.read_until(b"tok0")
+        clients.append(client)
+    clients[0].close_fin()
+    await engine.wait_for(lambda: engine.generation("a").state is GenerationState.ABORTED)
+    await drained(server)
+    assert engine.generation("ab").state is GenerationState.RUNNING
+    clients[1].close_fin()
 
 
 async def test_preserve_mode_keeps_a_pd_pair_intact_across_two_pods(

@@ -357,15 +357,21 @@ async def test_workers_auto_starts_one_per_usable_cpu(
     assert {entry["port"] for entry in process.events("worker_started")} <= {process.port}
 
 
-async def test_preserve_mode_warns_that_its_duplicate_check_is_per_worker(
-    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory
+@pytest.mark.parametrize("workers", ["2", "auto"])
+def test_preserve_mode_with_several_workers_stops_start_up_naming_both(
+    workers: str, collected_log: CollectedLog
 ) -> None:
-    """One warning at start-up: a duplicate on another worker's connection is not refused."""
-    _, engine_url = await fake_engine()
-    process = await tether_process(engine_url, TETHER_REQUEST_ID_MODE="preserve", **TWO_WORKERS)
-    warning = await process.wait_event("preserve_duplicate_check_per_worker")
-    assert warning["level"] == "warning" and warning["workers"] == 2
-    assert len(process.events("preserve_duplicate_check_per_worker")) == 1
+    """Preserve mode's in-flight check sees one process's requests only: a duplicate ID on
+    another worker would share the engine's ID, and its client leaving would abort the
+    other's request. So TETHER_WORKERS other than 1 is refused with it: exit 2 naming both."""
+    env = {
+        "TETHER_UPSTREAM_URL": "http://127.0.0.1:9",
+        "TETHER_REQUEST_ID_MODE": "preserve",
+        "TETHER_WORKERS": workers,
+    }
+    done = run_tether_cli(collected_log, env=env)
+    assert done.returncode == 2
+    assert "TETHER_REQUEST_ID_MODE=preserve needs TETHER_WORKERS=1" in done.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "x", "-1"])

@@ -305,6 +305,9 @@ class EngineProfile(ABC):
     # Which ID the engine writes into its answer when the client named one in the body and
     # one in the request-ID header: True for the body's.
     body_id_beats_header: ClassVar[bool]
+    # The engine's abort stops every request whose ID starts with the one named (SGLang's
+    # scheduler matches with `startswith`): IDs it runs by must be prefix-free.
+    aborts_by_prefix: ClassVar[bool]
     # Which request bodies the engine parses as JSON.
     json_rule: ClassVar[JsonRule]
     # Seconds an idle pooled connection to the engine stays open: below its own keep-alive.

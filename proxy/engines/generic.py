@@ -49,6 +49,8 @@ class Profile(EngineProfile):
     usage_takes_fingerprint = False
     prompt_counted_from_first_token = False
     body_id_beats_header = False
+    # Unknown: the operator's abort may match by prefix, so IDs are kept prefix-free.
+    aborts_by_prefix = True
     # The rule of the framework most engines run (FastAPI), and the safe one: a body that
     # could be JSON is read for an ID field.
     json_rule = FASTAPI_JSON

@@ -43,6 +43,8 @@ class Profile(EngineProfile):
     usage_takes_fingerprint = False
     prompt_counted_from_first_token = False
     body_id_beats_header = False
+    # No abort call: nothing is matched by prefix.
+    aborts_by_prefix = False
     # The rule of the framework most engines run (FastAPI), and the safe one: a body that
     # could be JSON is read for an ID field.
     json_rule = FASTAPI_JSON

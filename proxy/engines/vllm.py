@@ -225,6 +225,8 @@ class Profile(EngineProfile):
     prompt_counted_from_first_token = True
     # Given both, vLLM 0.32 answers with the header's ID (`_base_request_id`).
     body_id_beats_header = False
+    # vLLM aborts exact external IDs (verified on 0.32).
+    aborts_by_prefix = False
     json_rule = FASTAPI_JSON
     keepalive_seconds = BELOW_UVICORN_KEEPALIVE
 

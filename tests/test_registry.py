@@ -1,0 +1,54 @@
+"""The in-flight registry's prefix index: in preserve mode, in front of an engine that aborts
+every request whose ID starts with the one named, it finds the in-flight ID a new one
+overlaps (either is a prefix of the other), and nothing for IDs that do not overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.registry import Registry
+from proxy.request_state import RequestState
+
+
+def registry_holding(*request_ids: str) -> Registry:
+    registry = Registry(prefix_index=True)
+    for request_id in request_ids:
+        registry.add(RequestState(request_id, request_id, "POST", "/generate", "/generate", None))
+    return registry
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "new", "related"),
+    [
+        (("ab",), "a", "ab"),  # the new ID is a prefix of one in flight
+        (("a",), "ab", "a"),  # one in flight is a prefix of the new ID
+        (("a", "ab"), "abc", "a"),
+        (("ab",), "ab", "ab"),  # the same ID
+        (("a_1",), "a_10", "a_1"),  # SGLang's batch items would overlap
+        (("ab", "b"), "ac", None),
+        (("abc",), "abd", None),
+        ((), "a", None),
+    ],
+)
+def test_prefix_related_finds_an_overlapping_id(
+    in_flight: tuple[str, ...], new: str, related: str | None
+) -> None:
+    """An in-flight ID that starts with the new one or that the new one starts with."""
+    assert registry_holding(*in_flight).prefix_related(new) == related
+
+
+def test_prefix_related_ignores_the_requests_own_id() -> None:
+    """A request renamed from its minted ID to its body's is not refused for overlapping
+    itself, only another's."""
+    registry = registry_holding("a3f9", "b")
+    assert registry.prefix_related("a3", ignoring="a3f9") is None
+    assert registry.prefix_related("b7", ignoring="a3f9") == "b"
+
+
+def test_a_removed_id_no_longer_overlaps() -> None:
+    """The index follows the registry: an ID that ended frees its prefixes."""
+    registry = registry_holding("ab", "cd")
+    [state] = registry.find("ab")
+    registry.remove(state)
+    assert registry.prefix_related("a") is None
+    assert registry.prefix_related("c") == "cd"
