@@ -155,6 +155,9 @@ connections; the rest is margin).
 {{- if and .Values.fleet.enabled (not (or .Values.adminToken.existingSecret .Values.adminToken.value)) -}}
 {{- fail "fleet.enabled needs adminToken (existingSecret or value): the replicas call each other's POST /admin/abort with it" -}}
 {{- end -}}
+{{- if and (eq (toString .Values.config.requestIdMode) "preserve") (ne (toString .Values.config.workers) "1") -}}
+{{- fail "config.requestIdMode=preserve needs config.workers=1: its check that an ID is not already in flight sees one worker's requests only" -}}
+{{- end -}}
 {{- $env := include "tether.configEnv" . | trim -}}
 {{- $secrets := printf "%s\n%s" (include "tether.secretEnv" (list . "TETHER_ADMIN_TOKEN" .Values.adminToken)) (include "tether.secretEnv" (list . "TETHER_UPSTREAM_ADMIN_KEY" .Values.upstreamAdminKey)) | trim -}}
 - name: tether
