@@ -263,7 +263,11 @@ async def _send(
         content_length=content_length,
         chunked=chunked,
     )
-    state.upstream = upstream = ctx.upstream.exchange(request.method, upgrade=state.websocket)
+    state.upstream = upstream = ctx.upstream.exchange(
+        request.method,
+        replayable=ctx.engine.replayable(request.method, request.path),
+        upgrade=state.websocket,
+    )
     await upstream.send(head, body, chunked=chunked)
     return upstream
 

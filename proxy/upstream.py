@@ -98,10 +98,11 @@ class UpstreamClient:
         """Pooled connections to the engine waiting for a request."""
         return self._pool.idle_connections
 
-    def exchange(self, method: str, *, upgrade: bool = False) -> UpstreamExchange:
-        """A new exchange for one client request (`upgrade`: a WebSocket handshake); `send`
-        it with `request_head`."""
-        return UpstreamExchange(self._pool, method, upgrade=upgrade)
+    def exchange(self, method: str, *, replayable: bool, upgrade: bool = False) -> UpstreamExchange:
+        """A new exchange for one client request (`replayable`: it may be sent again on a new
+        connection when a reused one closed unanswered; `upgrade`: a WebSocket handshake);
+        `send` it with `request_head`."""
+        return UpstreamExchange(self._pool, method, replayable=replayable, upgrade=upgrade)
 
     def request_head(
         self,

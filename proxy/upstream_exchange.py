@@ -6,10 +6,11 @@ the exchange's sink. No task step, future or coroutine runs per chunk: the handl
 for the head and for the end.
 
 A request is sent once. It is sent again, on a new connection, only when that cannot make the
-engine run it twice: the method is idempotent (RFC 9110 §9.2.2, as aiohttp's client and nginx
-decide) and a reused connection was closed before any byte of a response, which is the race
-of an engine's keep-alive timeout. A POST the engine may have read is never resent: its client
-gets the error.
+engine run it twice: the caller says the request is replayable (an idempotent method, RFC 9110
+§9.2.2, on a route that does not start generation: the engine profile decides) and a reused
+connection was closed before any byte of a response, which is the race of an engine's
+keep-alive timeout. A POST the engine may have read is never resent: its client gets the
+error.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from .upstream_pool import UpstreamPool
 # Body bytes held for an exchange before anything consumes them: above this the engine is
 # not read any further until a sink is attached.
 _PENDING_LIMIT = 64 * 1024
-_IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
 RequestBody = bytes | AsyncIterable[bytes] | None
 
@@ -72,14 +72,16 @@ class UpstreamExchange:
         "sent_at",
     )
 
-    def __init__(self, pool: UpstreamPool, method: str, *, upgrade: bool = False) -> None:
+    def __init__(
+        self, pool: UpstreamPool, method: str, *, replayable: bool, upgrade: bool = False
+    ) -> None:
         self._pool = pool
         self._loop = pool.loop
         self._head_only = method == "HEAD"
         # It asks for a WebSocket: an engine's 101 turns the connection into its pipe, whose
         # "body" is the engine's bytes and which ends when either side closes it.
         self._upgrade = upgrade
-        self._replayable = method in _IDEMPOTENT_METHODS
+        self._replayable = replayable
         self._connection: UpstreamConnection | None = None
         self._replay: tuple[bytes, bytes | None] | None = None  # the request, if resendable
         self._retried = False

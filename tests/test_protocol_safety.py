@@ -12,6 +12,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 import pytest
@@ -44,17 +45,22 @@ class Front:
     tether: TetherServer | None = None
 
 
-FrontFactory = Callable[[str, int], Awaitable[Front]]
+class FrontFactory(Protocol):
+    """The `front` fixture: nginx or tether (with settings `overrides`) before an engine."""
+
+    def __call__(self, via: str, engine_port: int, **overrides: Any) -> Awaitable[Front]: ...
 
 
 @pytest.fixture
 async def front(tether: TetherFactory) -> AsyncIterator[FrontFactory]:
     async with AsyncExitStack() as stack:
 
-        async def start(via: str, engine_port: int) -> Front:
+        async def start(via: str, engine_port: int, **settings: Any) -> Front:
             if via == "nginx":
                 return Front(await stack.enter_async_context(nginx_in_front_of(engine_port)))
-            server = await tether(f"http://127.0.0.1:{engine_port}", health_interval=5.0)
+            server = await tether(
+                f"http://127.0.0.1:{engine_port}", health_interval=5.0, **settings
+            )
             return Front(server.port, server)
 
         yield start
@@ -585,6 +591,48 @@ async def test_an_idempotent_request_on_a_stale_connection_is_sent_again(
         "second",
         "second",
     ]
+
+
+async def test_a_put_to_a_generation_route_on_a_stale_connection_is_not_sent_again(
+    scripted_engine: EngineFactory, front: FrontFactory
+) -> None:
+    """SGLang's /generate takes PUT too: idempotent by its method, it starts a generation,
+    which sent again would run twice. Dropped the same way, it gets a 502 and the engine
+    saw it once."""
+    per_connection: dict[int, int] = {}
+
+    def respond(request: SeenRequest) -> Response:
+        if request.path == "/health":
+            return [http_response()]
+        if not request.complete:
+            return None
+        per_connection[request.connection] = per_connection.get(request.connection, 0) + 1
+        if per_connection[request.connection] > 1:
+            return CLOSE
+        return [_served(request)]
+
+    engine = await scripted_engine(respond)
+    proxy = await front("tether", engine.port, engine="sglang")
+    statuses = []
+    for name in ("first", "second"):
+        client = await RawClient.connect(proxy.port)
+        await client.send(
+            request_head(
+                "/generate",
+                method="PUT",
+                headers=[
+                    ("Content-Length", "2"),
+                    ("Content-Type", "text/plain"),
+                    ("X-Client", name),
+                ],
+            )
+            + b"{}"
+        )
+        statuses.append((await client.read_reply()).status)
+        client.close_fin()
+
+    assert statuses == [200, 502]
+    assert [r.headers.get("X-Client") for r in _client_requests(engine)] == ["first", "second"]
 
 
 # --- 6. the engine ID rewrite decided on what the engine will see --------------------------------

@@ -472,7 +472,7 @@ async def _run_steps(plan: list[Step], rng: random.Random) -> None:
             await release.wait()  # noqa: B023 - each step awaits its own event before the next
             yield b"second"
 
-        exchange = UpstreamExchange(pool, step.method)
+        exchange = UpstreamExchange(pool, step.method, replayable=step.method == "GET")
         body = streamed_body() if step.streamed else b"first-second"
         sending = asyncio.create_task(_send_and_wait_head(exchange, head, body))
         await _until(lambda: bool(engine.carrying(head)), "the request head to go out")  # noqa: B023

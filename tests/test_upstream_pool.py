@@ -85,7 +85,7 @@ class _Discard:
 
 async def _post(upstream: UpstreamClient) -> None:
     """One request over the client's pooled connections, its response read to the end."""
-    exchange = upstream.exchange("POST")
+    exchange = upstream.exchange("POST", replayable=False)
     head = upstream.request_head(
         "POST", "/v1/chat/completions", CIMultiDict(), content_length=2, chunked=False
     )

@@ -34,6 +34,9 @@ ABORT_ID_FIELD = f"{{{ABORT_ID_NAME}}}"
 
 # Methods that never start generation: a client leaving one costs the engine nothing.
 _READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Methods a request may be sent again with (RFC 9110 §9.2.2, as aiohttp's client and nginx
+# decide), unless its route starts generation.
+_IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
 
 def template_fields(template: str) -> set[str]:
@@ -345,6 +348,15 @@ class EngineProfile(ABC):
         if known is not None:
             return known
         return self._unknown_route(method, path)
+
+    def replayable(self, method: str, path: str) -> bool:
+        """Whether a request may be sent again on a new connection when a reused one closed
+        before answering: an idempotent method on a route that does not start generation
+        (SGLang's /generate takes PUT as well as POST: sent twice, it would run twice)."""
+        if method not in _IDEMPOTENT_METHODS:
+            return False
+        path = path.rstrip("/") or "/"
+        return path not in self._routes and path not in self.generation_routes
 
     def _unknown_route(self, method: str, path: str) -> Route | None:
         if method in _READ_ONLY_METHODS:
