@@ -252,17 +252,23 @@ def _certainly_held(request: StopRequest, answered: float) -> bool:
     return request.registered_by + (answered - request.since) <= request.since
 
 
+@dataclass(slots=True)
+class _EngineAborts:
+    """What the tracker keeps per engine profile (the engine tether fronts may say what it
+    is only after the first requests): its call queues and what it learnt of its front end."""
+
+    engine: EngineProfile
+    calls: _CallQueue
+    # Repeats go out on fresh connections: a front end with several processes gets each on
+    # whichever process accepts it, not always the one that missed.
+    repeats: _CallQueue
+    front_end: FrontEnd
+
+
 class AbortTracker:
     """Owns every stop in progress."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        engine: EngineProfile,
-        upstream: UpstreamClient,
-        metrics: Metrics,
-    ) -> None:
-        self._engine = engine
+    def __init__(self, settings: Settings, upstream: UpstreamClient, metrics: Metrics) -> None:
         self._upstream = upstream
         self._metrics = metrics
         self._attempt_timeout = settings.abort_timeout
@@ -272,11 +278,20 @@ class AbortTracker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._missing_until: dict[str, float] = {}
         self._warned_missing = False
-        self._calls = _CallQueue(self._send, merges=engine.merges_aborts)
-        # Repeats go out on fresh connections: a front end with several processes gets each
-        # on whichever process accepts it, not always the one that missed.
-        self._repeats = _CallQueue(self._send_fresh, merges=engine.merges_aborts)
-        self.front_end = FrontEnd(engine.confirm_rule, settings.abort_confirm_timeout)
+        self._engines: dict[str, _EngineAborts] = {}
+
+    def _of(self, engine: EngineProfile) -> _EngineAborts:
+        known = self._engines.get(engine.engine)
+        if known is None or known.engine is not engine:
+            known = self._engines[engine.engine] = _EngineAborts(
+                engine,
+                _CallQueue(functools.partial(self._send, engine), merges=engine.merges_aborts),
+                _CallQueue(
+                    functools.partial(self._send, engine, fresh=True), merges=engine.merges_aborts
+                ),
+                FrontEnd(engine.confirm_rule, self._confirm_timeout),
+            )
+        return known
 
     # --- entry points ----------------------------------------------------------------------
 
@@ -285,12 +300,13 @@ class AbortTracker:
         else drop the connection at once. Returns at once, True when the rest runs in the
         background (which then ends the request's span)."""
         request.relay.discard()
-        if not self._engine.sends_aborts:
+        engine = request.state.engine
+        if not engine.sends_aborts:
             request.upstream.close()
             return False
         if not request.engine_request_ids:
             request.upstream.close()
-            self._count(AbortResult.UNKNOWN_ROUTE, request.span)
+            self._count(engine, AbortResult.UNKNOWN_ROUTE, request.span)
             log.debug(
                 "abort_not_possible",
                 reason=AbortResult.UNKNOWN_ROUTE.value,
@@ -299,12 +315,12 @@ class AbortTracker:
             )
             return False
         # Which routes are missing does not depend on the IDs: the first stands for all.
-        if not self._candidates(self._engine.abort_calls(request.engine_request_ids[:1])):
+        if not self._candidates(engine.abort_calls(request.engine_request_ids[:1])):
             request.upstream.close()  # every abort route answered as missing, recently
-            self._count(AbortResult.NOT_SUPPORTED, request.span)
+            self._count(engine, AbortResult.NOT_SUPPORTED, request.span)
             return False
         if request.step is not None:
-            self.front_end.note_step(request.step)
+            self._of(engine).front_end.note_step(request.step)
         self._track(self._abort_and_confirm(request), request)
         return True
 
@@ -324,8 +340,9 @@ class AbortTracker:
         deadline)."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._calls.drain()
-        await self._repeats.drain()
+        for engine in list(self._engines.values()):
+            await engine.calls.drain()
+            await engine.repeats.drain()
 
     # --- the background work -------------------------------------------------------------------
 
@@ -347,8 +364,9 @@ class AbortTracker:
     async def _abort_and_confirm(self, request: StopRequest) -> None:
         upstream = request.upstream
         confirm_by = request.since + self._confirm_timeout
-        sending = self._calls.call(request.engine_request_ids)
-        at_once = self.front_end.drops_at_once(time.monotonic())
+        engine = self._of(request.state.engine)
+        sending = engine.calls.call(request.engine_request_ids)
+        at_once = engine.front_end.drops_at_once(time.monotonic())
         if at_once:
             upstream.close()  # as a plain close would: this front end misses aborts
         repeats = 0
@@ -372,7 +390,7 @@ class AbortTracker:
                     # From when the engine has surely registered the request: an abort that
                     # overtook its request is confirmed by a repeat, not taken for a miss.
                     start = max(answered, request.registered_by)
-                    window_end = min(start + self.front_end.window(request.step), confirm_by)
+                    window_end = min(start + engine.front_end.window(request.step), confirm_by)
                     repeats, blind = await self._wait_for_end(
                         request, answered, window_end, confirm_by
                     )
@@ -395,7 +413,7 @@ class AbortTracker:
             if at_once and outcome is _CallResult.ACCEPTED
             else self._result(outcome, ended_in_time)
         )
-        self._count(result, request.span)
+        self._count(engine.engine, result, request.span)
         tokens_after = _tokens_after_disconnect(request.relay)
         if outcome is _CallResult.ACCEPTED:
             self._metrics.record_tokens_after_disconnect(request.state.route_label, tokens_after)
@@ -476,7 +494,7 @@ class AbortTracker:
         reaches the right process. A request with no tokens yet (queued, in prefill, not
         streaming) shows no steps, and the time its step takes is unknown (a prefill's):
         only a window that closed on it says it missed."""
-        rule = self._engine.confirm_rule
+        rule = request.state.engine.confirm_rule
         return (
             rule.acts_within_steps
             and request.step is not None
@@ -507,7 +525,9 @@ class AbortTracker:
                 await asyncio.wait({window}, timeout=max(repeat_at - time.monotonic(), 0))
                 if window.done():
                     break
-                repeats.append(self._repeats.call(request.engine_request_ids))
+                repeats.append(
+                    self._of(request.state.engine).repeats.call(request.engine_request_ids)
+                )
                 delay *= 2
                 repeat_at += delay
             await window
@@ -524,7 +544,7 @@ class AbortTracker:
         """An abort of a request the engine held did, or did not, end its response within the
         window; a pattern of misses is a front end with several processes (or one that
         ignores aborts)."""
-        if self.front_end.confirm_outcome(missed, time.monotonic()):
+        if self._of(request.state.engine).front_end.confirm_outcome(missed, time.monotonic()):
             log.warning(
                 "aborts_missed",
                 internal_request_id=request.state.internal_request_id,
@@ -545,7 +565,8 @@ class AbortTracker:
         repeats = 0
         while repeat_at < confirm_by:
             await asyncio.sleep(max(repeat_at - time.monotonic(), 0))
-            self._repeats.call(request.engine_request_ids).cancel()  # nobody waits for it
+            repeat = self._of(request.state.engine).repeats.call(request.engine_request_ids)
+            repeat.cancel()  # nobody waits for it
             repeats += 1
             delay *= 2
             repeat_at += delay
@@ -569,20 +590,19 @@ class AbortTracker:
         now = time.monotonic()
         return tuple(call for call in calls if self._missing_until.get(call.url, 0) <= now)
 
-    async def _send_fresh(self, engine_request_ids: tuple[str, ...]) -> CallOutcome:
-        return await self._send(engine_request_ids, fresh=True)
-
-    async def _send(self, engine_request_ids: tuple[str, ...], fresh: bool = False) -> CallOutcome:
+    async def _send(
+        self, engine: EngineProfile, engine_request_ids: tuple[str, ...], fresh: bool = False
+    ) -> CallOutcome:
         """One abort naming these IDs, on the first route the engine supports; one per ID,
         made together, where the engine's abort names a single request (an SGLang batch)."""
-        if len(engine_request_ids) == 1 or self._engine.merges_aborts:
-            return await self._send_naming(engine_request_ids, fresh)
+        if len(engine_request_ids) == 1 or engine.merges_aborts:
+            return await self._send_naming(engine, engine_request_ids, fresh)
         # A few at a time: a batch's abort never holds more than a few engine connections.
         outcomes: list[CallOutcome] = []
         for start in range(0, len(engine_request_ids), _CALLS_PER_UNMERGED_ABORT):
             outcomes += await asyncio.gather(
                 *(
-                    self._send_naming((engine_request_id,), fresh)
+                    self._send_naming(engine, (engine_request_id,), fresh)
                     for engine_request_id in engine_request_ids[
                         start : start + _CALLS_PER_UNMERGED_ABORT
                     ]
@@ -596,13 +616,17 @@ class AbortTracker:
         )
         return result, attempts, detail
 
-    async def _send_naming(self, engine_request_ids: tuple[str, ...], fresh: bool) -> CallOutcome:
-        calls = self._candidates(self._engine.abort_calls(engine_request_ids))
+    async def _send_naming(
+        self, engine: EngineProfile, engine_request_ids: tuple[str, ...], fresh: bool
+    ) -> CallOutcome:
+        calls = self._candidates(engine.abort_calls(engine_request_ids))
         if not calls:
             return _CallResult.NOT_SUPPORTED, 0, "every abort route answered as missing"
-        return await self._send_first_supported(calls, fresh)
+        return await self._send_first_supported(calls, engine.route_missing_statuses, fresh)
 
-    async def _send_first_supported(self, calls: tuple[AbortCall, ...], fresh: bool) -> CallOutcome:
+    async def _send_first_supported(
+        self, calls: tuple[AbortCall, ...], route_missing: frozenset[int], fresh: bool
+    ) -> CallOutcome:
         deadline = time.monotonic() + self._deadline
         attempts = 0
         detail = "no abort route configured"
@@ -625,7 +649,7 @@ class AbortTracker:
                     self._missing_until.pop(call.url, None)
                     return _CallResult.ACCEPTED, attempts, f"{call.url}: {status}"
                 detail = f"{call.url}: {status}"
-                if status in self._engine.route_missing_statuses:
+                if status in route_missing:
                     self._missing_until[call.url] = time.monotonic() + _ROUTE_RECHECK_SECONDS
                     index += 1
                     continue
@@ -649,8 +673,8 @@ class AbortTracker:
             return AbortResult.FAILED
         return AbortResult.CONFIRMED if ended_in_time else AbortResult.UNCONFIRMED
 
-    def _count(self, result: AbortResult, span: RequestSpan | None) -> None:
-        self._metrics.count_abort(self._engine.engine.value, result.value)
+    def _count(self, engine: EngineProfile, result: AbortResult, span: RequestSpan | None) -> None:
+        self._metrics.count_abort(engine.engine, result.value)
         if span is not None:
             span.set(abort_result=result.value)
 

@@ -30,16 +30,11 @@ _UNDECIDED = Ending(Outcome.INTERNAL_ERROR, 500)
 class Accounting:
     """Counts and reports requests: one per app."""
 
-    __slots__ = ("_metrics", "_prompt_counted_from_first_token", "_tracer")
+    __slots__ = ("_metrics", "_tracer")
 
-    def __init__(
-        self, metrics: Metrics, tracer: Tracer | None, *, prompt_counted_from_first_token: bool
-    ) -> None:
+    def __init__(self, metrics: Metrics, tracer: Tracer | None) -> None:
         self._metrics = metrics
         self._tracer = tracer
-        # The engine counts a prompt only once its prefill made the first token (vLLM): a
-        # request ended before that reports its prompt as 0, as the engine's own count does.
-        self._prompt_counted_from_first_token = prompt_counted_from_first_token
 
     # --- a request's life ----------------------------------------------------------------------
 
@@ -194,7 +189,9 @@ class Accounting:
             if relay is not None
             else None
         )
-        if prompt is not None and completion == 0 and self._prompt_counted_from_first_token:
+        # The engine counts a prompt only once its prefill made the first token (vLLM): a
+        # request ended before that reports its prompt as 0, as the engine's own count does.
+        if prompt is not None and completion == 0 and state.engine.prompt_counted_from_first_token:
             prompt = 0  # ended before its prefill finished: as the engine counts it
         if prompt is not None:
             self._metrics.record_prompt_tokens(state.route_label, prompt)

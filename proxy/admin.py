@@ -77,11 +77,16 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Readiness: the engine's last health check passed and tether is not draining."""
-    problem = _context(request).readiness.problem
+    """Readiness: the engine's last health check passed and tether is not draining; with
+    which engine answers (and a configured one it contradicts)."""
+    ctx = _context(request)
+    problem = ctx.readiness.problem
+    engine = ctx.identity.describe()
     if problem is None:
-        return web.json_response({"status": "ready"})
-    return web.json_response({"status": "not_ready", "reason": problem}, status=503)
+        return web.json_response({"status": "ready", "engine": engine})
+    return web.json_response(
+        {"status": "not_ready", "reason": problem, "engine": engine}, status=503
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -17,7 +17,8 @@ from aiohttp import web
 from .aborts import AbortTracker
 from .accounting import Accounting
 from .context import CONTEXT, ProxyContext, UsageAsking
-from .engines import engine_profile
+from .engine_identity import EngineIdentity
+from .engines import KEEPALIVE_SECONDS
 from .fleet import Fleet
 from .health import Readiness
 from .metrics import Metrics
@@ -36,6 +37,11 @@ SETTINGS = web.AppKey("tether_settings", Settings)
 TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
 
 
+# How long start-up waits for the engine to say what it is (an engine that is up answers in
+# milliseconds; one still starting is asked again once ready).
+_FIRST_ASK_SECONDS = 2.0
+
+
 def create_app(settings: Settings, tracer_provider: object | None = None) -> web.Application:
     # Never served itself (runner.py serves requests): it holds the keys and lifetimes.
     app = web.Application()
@@ -51,27 +57,30 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
     client sessions they use are closed, and before the spans they end are flushed."""
     settings = app[SETTINGS]
     metrics = Metrics()
-    engine = engine_profile(settings)
     provider = cast("TracerProvider | None", app.get(TRACER_PROVIDER))
     with Tracer.open(settings, provider) as tracer:
         async with (
-            UpstreamClient.open(settings, keepalive_seconds=engine.keepalive_seconds) as upstream,
+            UpstreamClient.open(settings, keepalive_seconds=KEEPALIVE_SECONDS) as upstream,
             Fleet.open(settings) as fleet,
         ):
-            readiness = Readiness(upstream, settings.health_interval, metrics)
-            aborts = AbortTracker(settings, engine, upstream, metrics)
+            identity = EngineIdentity(settings, upstream, metrics)
+            # Asked before the first client is served, where the engine answers at once (it
+            # runs already); an engine still starting is asked once it is ready.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FIRST_ASK_SECONDS):
+                    await identity.ask()
+            readiness = Readiness(
+                upstream, settings.health_interval, metrics, on_ready=identity.engine_ready
+            )
+            aborts = AbortTracker(settings, upstream, metrics)
             app[CONTEXT] = ProxyContext(
                 settings=settings,
-                engine=engine,
+                identity=identity,
                 upstream=upstream,
                 aborts=aborts,
                 registry=Registry(prefix_index=settings.request_id_mode is RequestIdMode.PRESERVE),
                 metrics=metrics,
-                accounting=Accounting(
-                    metrics,
-                    tracer,
-                    prompt_counted_from_first_token=engine.prompt_counted_from_first_token,
-                ),
+                accounting=Accounting(metrics, tracer),
                 readiness=readiness,
                 fleet=fleet,
                 ids=IdMinter(),
@@ -84,4 +93,5 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 monitor.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await monitor
+                await identity.close()
                 await aborts.drain()

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from .aborts import AbortTracker
 from .accounting import Accounting
+from .engine_identity import EngineIdentity
 from .engines import EngineProfile
 from .fleet import Fleet
 from .health import Readiness
@@ -44,7 +45,9 @@ class UsageAsking:
 @dataclass(frozen=True, slots=True)
 class ProxyContext:
     settings: Settings
-    engine: EngineProfile
+    # Which engine answers, and the profile requests are served with (it may change once
+    # the engine says what it is): `engine`.
+    identity: EngineIdentity
     upstream: UpstreamClient
     aborts: AbortTracker
     registry: Registry
@@ -54,6 +57,11 @@ class ProxyContext:
     fleet: Fleet
     ids: IdMinter
     usage: UsageAsking
+
+    @property
+    def engine(self) -> EngineProfile:
+        """The profile a request arriving now is served with."""
+        return self.identity.profile
 
 
 CONTEXT = web.AppKey("tether_context", ProxyContext)

@@ -85,6 +85,7 @@ _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
 async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.StreamResponse:
     """The handler for every client path."""
     settings = ctx.settings
+    engine = ctx.engine  # the profile this request keeps to its end
 
     # 1. Refuse what must never reach the engine, IDs that cannot be echoed safely, and any
     #    new work once shutdown has begun. The engine gets a fresh ID of tether's, or (in
@@ -92,14 +93,14 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
     try:
         if ctx.readiness.draining:
             raise ShuttingDownError()
-        _refuse_unforwardable(request, ctx.engine)
+        _refuse_unforwardable(request, engine)
         websocket = websocket_asked(request)
         header_request_id = _header_request_id(request, settings.request_id_header)
         if settings.request_id_mode is RequestIdMode.UNIQUE:
             client_request_id = header_request_id or ctx.ids.mint()
             internal_request_id = ctx.ids.mint()
         else:
-            client_request_id = internal_request_id = _preserved_id(ctx, header_request_id)
+            client_request_id = internal_request_id = _preserved_id(ctx, engine, header_request_id)
     except TetherError as error:
         return _reject(request, ctx, error)
     bind_request_ids(client_request_id, internal_request_id)
@@ -112,7 +113,8 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         method=request.method,
         path=request.path,
         route_label=route_label(request.path),
-        route=ctx.engine.route(request.method, request.path),
+        route=engine.route(request.method, request.path),
+        engine=engine,
         task=request.task,
         connection=request.protocol,
         id_in_header=header_request_id is not None,
@@ -200,7 +202,7 @@ async def _forward(
     mapper = _id_mapper(response_head, state)
     tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
     usage = (
-        UsageEventFilter(restore_fingerprint=ctx.engine.usage_takes_fingerprint)
+        UsageEventFilter(restore_fingerprint=state.engine.usage_takes_fingerprint)
         if state.body.usage_asked and _is_sse(response_head)
         else None
     )
@@ -223,7 +225,7 @@ async def _send(
         internal_request_id=state.internal_request_id,
         peer=request.remote,
         scheme=request.scheme,
-        id_headers=ctx.engine.id_headers,
+        id_headers=state.engine.id_headers,
     )
     outgoing = await outgoing_body(
         request,
@@ -233,7 +235,7 @@ async def _send(
         max_json_body=settings.max_json_body,
         body_timeout=settings.client_body_timeout,
         ask_for_usage=ctx.usage.enabled,
-        json_rule=ctx.engine.json_rule,
+        json_rule=state.engine.json_rule,
         keep_client_id=_preserving(state) and not state.id_in_header,
     )
     state.body = facts = outgoing.facts
@@ -265,7 +267,7 @@ async def _send(
     )
     state.upstream = upstream = ctx.upstream.exchange(
         request.method,
-        replayable=ctx.engine.replayable(request.method, request.path),
+        replayable=state.engine.replayable(request.method, request.path),
         upgrade=state.websocket,
     )
     await upstream.send(head, body, chunked=chunked)
@@ -451,23 +453,25 @@ def _header_request_id(request: web.BaseRequest, header: str) -> str | None:
 _MINT_TRIES = 4
 
 
-def _preserved_id(ctx: ProxyContext, client_request_id: str | None) -> str:
+def _preserved_id(ctx: ProxyContext, engine: EngineProfile, client_request_id: str | None) -> str:
     """Preserve mode: the engine runs the client's own ID, or one tether mints where it sent
     none; neither may be in flight already, or (for an engine that aborts by prefix) be a
     prefix of one in flight or start with one."""
     if client_request_id is not None:
-        _refuse_in_flight(ctx, client_request_id)
+        _refuse_in_flight(ctx, engine, client_request_id)
         return client_request_id
     for _ in range(_MINT_TRIES - 1):
         minted = ctx.ids.mint()
-        if not (ctx.engine.aborts_by_prefix and ctx.registry.prefix_related(minted)):
+        if not (engine.aborts_by_prefix and ctx.registry.prefix_related(minted)):
             return minted
     minted = ctx.ids.mint()
-    _refuse_in_flight(ctx, minted)
+    _refuse_in_flight(ctx, engine, minted)
     return minted
 
 
-def _refuse_in_flight(ctx: ProxyContext, request_id: str, ignoring: str | None = None) -> None:
+def _refuse_in_flight(
+    ctx: ProxyContext, engine: EngineProfile, request_id: str, ignoring: str | None = None
+) -> None:
     """Preserve mode: an ID the engine would run a second time is refused (409), and so,
     where the engine aborts by prefix (SGLang), is one whose abort would stop another
     request or be stopped by another's."""
@@ -477,7 +481,7 @@ def _refuse_in_flight(ctx: ProxyContext, request_id: str, ignoring: str | None =
             "(TETHER_REQUEST_ID_MODE=preserve passes IDs to the engine unchanged, so each "
             "must be unique while it runs)"
         )
-    if not ctx.engine.aborts_by_prefix:
+    if not engine.aborts_by_prefix:
         return
     related = ctx.registry.prefix_related(request_id, ignoring)
     if related is not None:
@@ -513,16 +517,16 @@ def _adopt_body_id(
         field = state.route.client_id_field.name
         raise InvalidRequestIdError(f"the body's {field} {exc}") from None
     if state.id_in_header:
-        if ctx.engine.body_id_beats_header:
+        if state.engine.body_id_beats_header:
             state.echo_id = body_id
         return
     preserving = _preserving(state)
     if preserving:  # the request's own ID (tether's, minted) is about to be replaced
-        _refuse_in_flight(ctx, body_id, ignoring=state.internal_request_id)
+        _refuse_in_flight(ctx, state.engine, body_id, ignoring=state.internal_request_id)
     internal_request_id = body_id if preserving else state.internal_request_id
     ctx.registry.rename(state, body_id, internal_request_id)
     if preserving:
-        for name in ctx.engine.id_headers:
+        for name in state.engine.id_headers:
             headers[name] = body_id
     bind_request_ids(body_id, internal_request_id)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Protocol
 
 import structlog
 
@@ -16,13 +17,28 @@ log = structlog.get_logger("tether.health")
 FAILURES_BEFORE_NOT_READY = 2
 
 
+class OnReady(Protocol):
+    """Told whenever the engine's health check passes after failing (or at first)."""
+
+    def __call__(self, *, after_outage: bool) -> None: ...
+
+
 class Readiness:
     """Whether tether should receive traffic: the engine is healthy and we are not draining."""
 
-    def __init__(self, upstream: UpstreamClient, interval: float, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        upstream: UpstreamClient,
+        interval: float,
+        metrics: Metrics,
+        on_ready: OnReady | None = None,
+    ) -> None:
         self._upstream = upstream
         self._interval = interval
         self._metrics = metrics
+        # Told `after_outage=` whenever the engine becomes ready (again).
+        self._on_ready = on_ready
+        self._was_ready = False
         self.engine_problem: str | None = "engine health not checked yet"
         self.draining = False
 
@@ -44,6 +60,9 @@ class Readiness:
                 if ready != (problem is None):
                     if problem is None:
                         log.info("engine_ready")
+                        if self._on_ready is not None:
+                            self._on_ready(after_outage=self._was_ready)
+                        self._was_ready = True
                     else:
                         log.warning("engine_not_ready", reason=problem)
                 self.engine_problem = problem

@@ -77,6 +77,24 @@ class Gauge:
         return GaugeMetricFamily(self.name, self.documentation, value=self.value)
 
 
+class Info:
+    """A gauge of value 1 whose labels say what something is (Prometheus' info pattern)."""
+
+    __slots__ = ("documentation", "labelnames", "labels", "name")
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.labels: tuple[str, ...] | None = None  # not known yet: no series
+
+    def family(self) -> Metric:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        if self.labels is not None:
+            family.add_metric(self.labels, 1)
+        return family
+
+
 class Histogram:
     """A histogram with fixed buckets; each series is its per-bucket counts and sum."""
 
@@ -204,6 +222,13 @@ class Metrics:
         self.upstream_ready = Gauge(
             "tether_upstream_ready", "1 while the engine's health check passes."
         )
+        self.engine_info = Info(
+            "tether_engine_info",
+            "The engine tether fronts: the TETHER_ENGINE setting (configured), what the engine "
+            "said it is (identified: vllm, sglang, llamacpp, tgi, ollama, or unknown), its "
+            "version, and the profile tether serves it with.",
+            ("configured", "identified", "version", "profile"),
+        )
         self.websocket_sessions_open = Gauge(
             "tether_websocket_sessions_open", "WebSocket sessions being relayed now."
         )
@@ -215,7 +240,7 @@ class Metrics:
             "upstream_failed.",
             ("outcome",),
         )
-        self._all: tuple[Counter | Gauge | Histogram, ...] = (
+        self._all: tuple[Counter | Gauge | Info | Histogram, ...] = (
             self.requests,
             self.outcomes,
             self.in_flight,
@@ -233,6 +258,7 @@ class Metrics:
             self.bytes_streamed,
             self.sse_events,
             self.upstream_ready,
+            self.engine_info,
             self.websocket_sessions_open,
             self.websocket_sessions,
         )

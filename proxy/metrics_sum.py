@@ -16,7 +16,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges whose value is a state (1 or 0) of each worker, not a count.
-STATE_GAUGES = frozenset({"tether_upstream_ready"})
+STATE_GAUGES = frozenset({"tether_upstream_ready", "tether_engine_info"})
 
 _SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from .aborts import StopRequest
-    from .engines import Route
+    from .engines import EngineProfile, Route
     from .errors import TetherError
     from .relay import ResponseRelay
     from .tracing import RequestSpan
@@ -64,6 +64,9 @@ class RequestState:
     path: str
     route_label: str  # the path as a metric label
     route: Route | None  # its engine route; None: read-only, outside the route table
+    # The engine profile it is served with from start to end (the one in force when it
+    # arrived: `engine_identity`).
+    engine: EngineProfile
     task: asyncio.Task[object] | None = None
     # The client connection it arrived on (for the drain: connections serving no request
     # are closed at once).

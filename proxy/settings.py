@@ -84,7 +84,10 @@ class _SettingsHead(BaseSettings):
     )
     engine: Engine = Field(
         DEFAULT_ENGINE,
-        description=f"{_one_of(tuple(Engine))}: how to abort, where the ID goes.",
+        description=f"{_one_of(tuple(Engine))}: how to abort, where the ID goes; auto asks "
+        "the engine what it is (at start-up and whenever it comes back) and, until it says, "
+        "refuses every known engine's control routes and stops requests by dropping the "
+        "connection. A configured engine the engine contradicts is a warning.",
     )
     abort_url: str | None = Field(
         None,
@@ -379,7 +382,10 @@ class Settings(EngineSettings, _SettingsHead):
         engines.check_settings(self)  # what the engine itself requires or refuses
         if self.blocked_paths == (ALLOW_PUBLIC,):
             raise ValueError("TETHER_BLOCKED_PATHS: 'public' is a value of TETHER_ALLOWED_PATHS")
-        if self.allowed_paths == (ALLOW_PUBLIC,) and not engines.public_routes(self.engine):
+        if (
+            self.allowed_paths == (ALLOW_PUBLIC,)
+            and self.engine not in engines.with_public_routes()
+        ):
             raise ValueError(
                 f"TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE="
                 f"{_one_of(engines.with_public_routes())} (tether has no route table of "

@@ -5,19 +5,27 @@ queues behind the relay."""
 
 from __future__ import annotations
 
+import json
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from multidict import CIMultiDict
 
+from . import __version__
 from .engines import AbortCall
+from .engines.identify import MAX_PROBE_ANSWER
 from .headers import request_head
 from .settings import Settings
 from .upstream_exchange import UpstreamExchange
 from .upstream_pool import UpstreamPool
+
+# What tether's own requests to the engine (aborts, health checks, identity probes) carry
+# as their User-Agent; clients' requests carry their own.
+USER_AGENT = f"tether/{__version__}"
 
 
 class UpstreamClient:
@@ -45,6 +53,7 @@ class UpstreamClient:
         if settings.upstream_admin_key is not None:
             key = settings.upstream_admin_key.get_secret_value()
             self._abort_headers["Authorization"] = f"Bearer {key}"
+        self._base_url = settings.upstream_url
         self._health_url = settings.upstream_url + settings.upstream_health_path
         self._health_timeout = aiohttp.ClientTimeout(total=max(settings.health_interval, 2.0))
 
@@ -58,6 +67,8 @@ class UpstreamClient:
         request on a connection the engine is closing)."""
         parts = urlsplit(settings.upstream_url)
         https = parts.scheme == "https"
+        # tether's own calls say who makes them (the engine's logs, its access log).
+        own = {"User-Agent": USER_AGENT}
         pool = UpstreamPool(
             parts.hostname or "",
             parts.port or (443 if https else 80),
@@ -72,18 +83,21 @@ class UpstreamClient:
                 limit=0, keepalive_timeout=keepalive_seconds, ttl_dns_cache=60
             ),
             cookie_jar=aiohttp.DummyCookieJar(),
+            headers=own,
         )
         # Repeated abort calls open a connection each: an engine front end with several
         # processes gets each on whichever process accepts it.
         fresh_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True, limit=0),
             cookie_jar=aiohttp.DummyCookieJar(),
+            headers=own,
         )
         # Health checks open a fresh connection each time: they prove the engine still
         # accepts connections, and keep no pooled connection warm.
         health_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True, limit=1),
             cookie_jar=aiohttp.DummyCookieJar(),
+            headers=own,
         )
         try:
             yield cls(settings, pool, control_session, fresh_session, health_session)
@@ -137,6 +151,26 @@ class UpstreamClient:
         ) as response:
             await response.read()
             return response.status
+
+    async def probe(self, path: str) -> Any:
+        """The JSON document the engine answers a GET of `path` with (200, at most
+        MAX_PROBE_ANSWER bytes), else None: what tells which engine it is
+        (`engines.identify`)."""
+        try:
+            async with self._health_session.get(
+                self._base_url + path, timeout=self._health_timeout, allow_redirects=False
+            ) as response:
+                if response.status != 200:
+                    return None
+                body = await response.content.read(MAX_PROBE_ANSWER + 1)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
+        if len(body) > MAX_PROBE_ANSWER:
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
 
     async def check_health(self) -> str | None:
         """None when the engine's health endpoint answers 2xx, else the reason it is not."""

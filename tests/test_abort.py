@@ -30,7 +30,7 @@ def _count(server: TetherServer, result: str) -> float:
     return metric(
         server.context.metrics.registry,
         "tether_aborts_total",
-        engine=server.settings.engine.value,
+        engine=server.context.engine.engine,
         result=result,
     )
 

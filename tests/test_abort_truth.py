@@ -318,7 +318,7 @@ async def test_route_whose_engine_id_tether_cannot_name_is_counted_unknown_route
         return web.json_response({})
 
     app.router.add_post("/abort_requests", abort_route)
-    server = await tether(await upstream_app(app))
+    server = await tether(await upstream_app(app), engine="vllm")
     client = await start_stream(
         server, {"x": CANARY_PROMPT}, path="/v1/brand-new-api", marker=b"tok"
     )

@@ -6,7 +6,13 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from proxy.engines import Engine, control_routes, engine_profile, public_routes
+from proxy.engines import (
+    Engine,
+    control_routes,
+    engine_profile,
+    public_routes,
+    refused_control_routes,
+)
 from proxy.routes import is_allowed, is_blocked, normalised_path
 
 from .support.canaries import CANARY_PROMPT
@@ -15,6 +21,8 @@ from .support.in_process import TetherFactory, url
 from .support.raw_http import RawClient, request_head
 from .support.settings import make_settings
 from .support.upstreams import FakeEngineFactory
+
+NEEDS = {Engine.GENERIC: {"abort_url": "/abort/{internal_request_id}"}}
 
 # The oracle, written out rather than taken from the code under test: every control route of
 # the engines' real route tables (vLLM 0.32.0: `build_app` under every flag, environment and
@@ -133,10 +141,40 @@ def test_an_allowlist_matches_whole_segments() -> None:
 def test_the_profile_takes_the_operators_lists_over_the_built_in_ones() -> None:
     """TETHER_BLOCKED_PATHS replaces the built-in block list; `public` expands to the
     engine's routes."""
-    profile = engine_profile(make_settings(blocked_paths="/secret", allowed_paths="public"))
+    settings = make_settings(engine="vllm", blocked_paths="/secret", allowed_paths="public")
+    profile = engine_profile(settings)
     assert profile.blocked_paths == ("/secret",)
     assert profile.allowed_paths == public_routes(Engine.VLLM)
-    assert engine_profile(make_settings()).blocked_paths == control_routes(Engine.VLLM)
+
+
+@pytest.mark.parametrize("engine", list(Engine))
+def test_every_known_engines_control_routes_are_refused_whatever_the_profile(
+    engine: Engine,
+) -> None:
+    """An engine configured or identified wrongly never opens another's control routes:
+    every profile refuses the union of every engine's (SGLang's /abort_request and
+    /get_server_info in front of vLLM, vLLM's /abort_requests in front of SGLang)."""
+    settings = make_settings(engine=engine, **NEEDS.get(engine, {}))
+    blocked = engine_profile(settings).blocked_paths
+    assert blocked == refused_control_routes()
+    every = VLLM_0_32_CONTROL + SGLANG_0_5_23_CONTROL
+    assert [s for path in every for s in spellings(path) if not is_blocked(s, blocked)] == []
+
+
+@pytest.mark.parametrize("engine", [Engine.VLLM, Engine.SGLANG])
+def test_no_engines_public_route_is_among_the_refused(engine: Engine) -> None:
+    """What any engine's clients use passes the union of every engine's control routes."""
+    assert [p for p in PUBLIC[engine] if is_blocked(p, refused_control_routes())] == []
+
+
+def test_a_control_route_the_operator_names_allowed_is_not_refused() -> None:
+    """TETHER_ALLOWED_PATHS naming a control route (or one below it) lets that route
+    through the union; the allowlist still refuses everything else."""
+    settings = make_settings(allowed_paths="/v1/chat/completions,/flush_cache")
+    profile = engine_profile(settings)
+    assert not is_blocked("/flush_cache", profile.blocked_paths)
+    assert is_blocked("/abort_request", profile.blocked_paths)
+    assert is_allowed("/flush_cache", profile.allowed_paths or ())
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,11 @@ async def test_engine_that_never_answers_is_bounded_by_the_request_timeout(
     port = silent.sockets[0].getsockname()[1]
     try:
         server = await tether(
-            f"http://127.0.0.1:{port}", request_timeout=0.3, abort_timeout=0.2, abort_deadline=0.4
+            f"http://127.0.0.1:{port}",
+            engine="vllm",
+            request_timeout=0.3,
+            abort_timeout=0.2,
+            abort_deadline=0.4,
         )
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.engines import Engine, engine_profile
 from proxy.registry import Registry
 from proxy.request_state import RequestState
+
+from .support.settings import make_settings
+
+SGLANG = engine_profile(make_settings(), Engine.SGLANG)
 
 
 def registry_holding(*request_ids: str) -> Registry:
     registry = Registry(prefix_index=True)
     for request_id in request_ids:
-        registry.add(RequestState(request_id, request_id, "POST", "/generate", "/generate", None))
+        state = RequestState(request_id, request_id, "POST", "/generate", "/generate", None, SGLANG)
+        registry.add(state)
     return registry
 
 

@@ -13,12 +13,16 @@ import pytest
 
 from proxy import errors
 from proxy.aborts import AbortTracker
+from proxy.engines import Engine, engine_profile
 from proxy.errors import ERROR_KINDS, TetherError, error_response
 from proxy.request_state import Outcome, RequestState
 from tether_fake_engine import GenerationState
 
 from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, settled
+from .support.settings import make_settings
 from .support.upstreams import FakeEngineFactory
+
+VLLM = engine_profile(make_settings(), Engine.VLLM)
 
 
 def _errors_raised() -> list[type[TetherError]]:
@@ -66,7 +70,9 @@ async def test_stopping_from_outside_ends_a_request_once() -> None:
     """`RequestState.stop` cancels the handler with the reason it will be reported as, and
     says so only for a request not already ending."""
     handler = asyncio.ensure_future(asyncio.sleep(30))
-    state = RequestState("c", "i", "POST", "/v1/chat/completions", "/v1/chat/completions", None)
+    state = RequestState(
+        "c", "i", "POST", "/v1/chat/completions", "/v1/chat/completions", None, VLLM
+    )
     state.task = handler
 
     assert state.stop(Outcome.ADMIN_ABORTED) is True

@@ -71,7 +71,7 @@ from .support.settings import make_settings
                 "TETHER_ENGINE": "none",
                 "TETHER_ALLOWED_PATHS": "public",
             },
-            "TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE=vllm or sglang",
+            "TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE=auto, vllm or sglang",
         ),
         (
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_BLOCKED_PATHS": "public"},
@@ -106,7 +106,7 @@ def test_defaults_match_the_documented_ones() -> None:
     settings = make_settings(
         port=8080, admin_port=9090, shutdown_grace=30, host="0.0.0.0", admin_host="0.0.0.0"
     )
-    assert (settings.port, settings.admin_port, settings.engine) == (8080, 9090, Engine.VLLM)
+    assert (settings.port, settings.admin_port, settings.engine) == (8080, 9090, Engine.AUTO)
     assert settings.request_id_header == "X-Request-Id"
     assert settings.connect_timeout == 5
     assert settings.request_timeout is None and settings.stream_idle_timeout is None

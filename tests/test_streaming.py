@@ -60,7 +60,7 @@ async def test_sse_passes_byte_for_byte_apart_from_ids(
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", stream)
-    server = await tether(await upstream_app(app))
+    server = await tether(await upstream_app(app), engine="vllm")
     body = chat_body()
     if client_asks_usage:
         body["stream_options"] = {"include_usage": True}

@@ -198,7 +198,7 @@ async def test_an_engine_that_reports_usage_unasked_is_no_longer_asked(
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", stream)
-    server = await tether(await upstream_app(app))
+    server = await tether(await upstream_app(app), engine="vllm")
     first = await _read(http, url(server), chat_body())
     assert first.count(b'"usage":{') == 3
     assert server.context.usage.enabled is False

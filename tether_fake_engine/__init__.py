@@ -156,8 +156,12 @@ class FakeEngine:
         max_tokens: int = 16,
         hears_disconnects: bool = False,
         front_end_processes: int = 1,
+        identifiable: bool = True,
     ) -> None:
         self.abort_route = abort_route
+        # Says what it is where the engine it plays would (vLLM's /version and its model
+        # cards' owner, SGLang's /model_info), or nothing tether could recognise.
+        self.identifiable = identifiable
         self.front_end_processes = front_end_processes
         # Connection (its client address) → its number, in the order connections were seen.
         self._connections: dict[object, int] = {}
@@ -228,6 +232,8 @@ class FakeEngine:
             app.router.add_post(path, self._completions)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/model_info", self._model_info)
         app.router.add_post(_DEV_ABORT, self._counted(self._abort_vllm))
         app.router.add_post(_SCALE_OUT_ABORT, self._counted(self._abort_vllm))
         app.router.add_post(sglang.ABORT_PATH, self._counted(self._abort_sglang))
@@ -245,8 +251,29 @@ class FakeEngine:
             return web.Response(status=200)
         return web.json_response({"error": "unhealthy"}, status=503)
 
+    @property
+    def _plays_sglang(self) -> bool:
+        return self.abort_route is AbortRoute.SGLANG
+
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        card: dict[str, object] = {"id": "fake", "object": "model"}
+        if self.identifiable:
+            card["owned_by"] = "sglang" if self._plays_sglang else "vllm"
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        """vLLM's `/version` (SGLang serves none)."""
+        if not self.identifiable or self._plays_sglang:
+            raise web.HTTPNotFound()
+        return web.json_response({"version": "0.32.0+fake"})
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        """SGLang's `/model_info` (vLLM serves none)."""
+        if not self.identifiable or not self._plays_sglang:
+            raise web.HTTPNotFound()
+        return web.json_response(
+            {"model_path": "fake", "tokenizer_path": "fake", "is_generation": True}
+        )
 
     async def _echo(self, request: web.Request) -> web.Response:
         """Answers with what it received, for header and body pass-through tests."""
@@ -713,12 +740,19 @@ def main() -> None:
         action="store_true",
         help="stop generating when the client disconnects (vLLM 0.32 does)",
     )
+    parser.add_argument(
+        "--anonymous",
+        action="store_true",
+        help="say nothing of what it is (no /version, /model_info or model owner): "
+        "tether's auto engine then cannot identify it",
+    )
     args = parser.parse_args()
     engine = FakeEngine(
         abort_route=args.abort_route,
         token_interval=args.token_interval,
         max_tokens=args.max_tokens,
         hears_disconnects=args.hears_disconnects,
+        identifiable=not args.anonymous,
     )
     engine.print_aborts = True
     web.run_app(

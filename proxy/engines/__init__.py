@@ -34,6 +34,7 @@ from .base import (
     Route,
     template_fields,
 )
+from .identify import Identity
 from .sglang import SglangSettings
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ __all__ = [
     "FASTAPI_JSON",
     "GENERATION_ROUTES",
     "ID_HEADERS",
+    "KEEPALIVE_SECONDS",
     "PROBE_ROUTES",
     "PROFILES",
     "REQUEST_ID_HEADER",
@@ -56,13 +58,18 @@ __all__ = [
     "Engine",
     "EngineProfile",
     "EngineSettings",
+    "Identity",
     "JsonRule",
     "Route",
+    "asks_engine",
     "check_settings",
+    "contradiction",
     "control_routes",
     "engine_profile",
     "public_routes",
+    "refused_control_routes",
     "route_table",
+    "served_engine",
     "template_fields",
     "with_public_routes",
 ]
@@ -70,15 +77,18 @@ __all__ = [
 
 class Engine(StrEnum):
     """The engines tether knows (TETHER_ENGINE), in the order `--help` lists them; each
-    value is the name of the module in this package that describes the engine."""
+    value is the name of the module in this package that describes the engine. `auto` is
+    the profile of an engine not identified (yet): tether asks the engine what it is and
+    then uses that engine's profile (`identify`)."""
 
+    AUTO = "auto"
     VLLM = "vllm"
     SGLANG = "sglang"
     GENERIC = "generic"
     NONE = "none"
 
 
-DEFAULT_ENGINE = Engine.VLLM
+DEFAULT_ENGINE = Engine.AUTO
 
 
 class EngineSettings(SglangSettings):
@@ -109,14 +119,26 @@ def control_routes(engine: Engine) -> tuple[str, ...]:
     return tuple(dict.fromkeys(path for p in PROFILES.values() for path in p.control_routes))
 
 
+def refused_control_routes() -> tuple[str, ...]:
+    """Every control route of every engine tether knows: refused in front of any engine
+    (unless the operator says otherwise), so that an engine identified or configured
+    wrongly never opens another's."""
+    return tuple(dict.fromkeys(path for p in PROFILES.values() for path in p.control_routes))
+
+
 def public_routes(engine: Engine) -> tuple[str, ...]:
     """The routes a client of `engine` uses; () for an engine tether has no table of."""
     return PROFILES[engine].public_routes
 
 
 def with_public_routes() -> tuple[Engine, ...]:
-    """The engines `TETHER_ALLOWED_PATHS=public` works with."""
-    return tuple(engine for engine, profile in PROFILES.items() if profile.public_routes)
+    """The engines `TETHER_ALLOWED_PATHS=public` works with (with auto: the public routes of
+    the engine that answers, none until one does)."""
+    return tuple(
+        engine
+        for engine, profile in PROFILES.items()
+        if profile.public_routes or engine is Engine.AUTO
+    )
 
 
 def check_settings(settings: Settings) -> None:
@@ -125,9 +147,36 @@ def check_settings(settings: Settings) -> None:
     PROFILES[settings.engine].check_settings(settings)
 
 
-def engine_profile(settings: Settings) -> EngineProfile:
-    """The profile of the engine the settings name, with the operator's lists applied."""
-    return PROFILES[settings.engine](settings, control_routes(settings.engine))
+def asks_engine(settings: Settings) -> bool:
+    """Whether the profile follows what the engine says it is (TETHER_ENGINE=auto)."""
+    return settings.engine is Engine.AUTO
+
+
+def served_engine(settings: Settings, identity: Identity | None) -> Engine:
+    """The engine whose profile requests are served with: the configured one; with auto, the
+    one that answered (auto's own while none did)."""
+    if not asks_engine(settings):
+        return settings.engine
+    return Engine(identity.profile) if identity is not None else Engine.AUTO
+
+
+def contradiction(settings: Settings, identity: Identity | None) -> str | None:
+    """What is wrong where a configured engine is not the one that answers (None: nothing)."""
+    if asks_engine(settings) or identity is None or identity.profile == settings.engine.value:
+        return None
+    return (
+        f"TETHER_ENGINE={settings.engine.value}, but the engine says it is "
+        f"{identity.product} ({identity.evidence}): tether keeps the configured profile, "
+        f"whose aborts and request IDs may not fit it; set TETHER_ENGINE={identity.profile} "
+        "or auto"
+    )
+
+
+def engine_profile(settings: Settings, engine: Engine | None = None) -> EngineProfile:
+    """The profile of `engine` (default: the one the settings name), with the operator's
+    lists applied."""
+    engine = settings.engine if engine is None else engine
+    return PROFILES[engine](settings, engine, refused_control_routes())
 
 
 # Every header some engine keys requests by (lower-cased): a client may not name one in
@@ -139,3 +188,6 @@ GENERATION_ROUTES = frozenset(
     path for profile in PROFILES.values() for path in profile.generation_routes
 )
 PROBE_ROUTES = frozenset(path for profile in PROFILES.values() for path in profile.probe_routes)
+# How long an idle pooled connection to the engine stays open: below every known engine's own
+# keep-alive, since the pool serves whichever engine answers before it says which it is.
+KEEPALIVE_SECONDS = min(profile.keepalive_seconds for profile in PROFILES.values())

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from ..routes import is_allowed
 from ..tokens import TokenShape
 
 if TYPE_CHECKING:
@@ -318,12 +319,20 @@ class EngineProfile(ABC):
 
     # --- built from the settings ------------------------------------------------------------
 
-    def __init__(self, settings: Settings, default_blocked: tuple[str, ...]) -> None:
-        """`default_blocked`: the control routes refused unless TETHER_BLOCKED_PATHS says
-        otherwise (the package works them out: `proxy.engines.control_routes`)."""
-        self.engine = settings.engine
-        self.blocked_paths = settings.blocked_paths or default_blocked
+    def __init__(self, settings: Settings, engine: str, default_blocked: tuple[str, ...]) -> None:
+        """`engine`: the name this profile goes by (`proxy.engines.Engine`); `default_blocked`:
+        the control routes refused unless TETHER_BLOCKED_PATHS says otherwise (every known
+        engine's: `proxy.engines.refused_control_routes`), less the engine's own public
+        routes and those the operator names in TETHER_ALLOWED_PATHS."""
+        self.engine = engine
         allowed = settings.allowed_paths
+        named = () if allowed is None or allowed == (ALLOW_PUBLIC,) else allowed
+        self.blocked_paths = settings.blocked_paths or tuple(
+            path
+            for path in default_blocked
+            if not is_allowed(path, self.public_routes)
+            and not any(name.startswith(path) for name in named)
+        )
         self.allowed_paths: tuple[str, ...] | None = (
             self.public_routes if allowed == (ALLOW_PUBLIC,) else allowed
         )

@@ -56,8 +56,8 @@ class Profile(EngineProfile):
     json_rule = FASTAPI_JSON
     keepalive_seconds = BELOW_UVICORN_KEEPALIVE
 
-    def __init__(self, settings: Settings, default_blocked: tuple[str, ...]) -> None:
-        super().__init__(settings, default_blocked)
+    def __init__(self, settings: Settings, engine: str, default_blocked: tuple[str, ...]) -> None:
+        super().__init__(settings, engine, default_blocked)
         assert settings.abort_url is not None  # `check_settings` requires it
         self._abort_template = settings.abort_url
         self._abort_method = settings.abort_method

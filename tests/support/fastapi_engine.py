@@ -50,14 +50,16 @@ class _Record:
             headers = {
                 name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
             }
-            _seen.append(
-                {
-                    "method": scope["method"],
-                    "path": scope["path"],
-                    "client": headers.get("x-client"),
-                    "head_bytes": _head_length(scope),
-                }
-            )
+            # Clients' requests only, not tether's own calls (its identity probes).
+            if not headers.get("user-agent", "").startswith("tether/"):
+                _seen.append(
+                    {
+                        "method": scope["method"],
+                        "path": scope["path"],
+                        "client": headers.get("x-client"),
+                        "head_bytes": _head_length(scope),
+                    }
+                )
         await self._inner(scope, receive, send)
 
 

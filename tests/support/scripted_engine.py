@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import httptools
 from multidict import CIMultiDict
 
+from proxy.engines.identify import PROBE_PATHS
+
 
 @dataclass
 class SeenRequest:
@@ -67,8 +69,7 @@ class _EngineConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
-        self._engine.connections += 1
-        self._engine.transports.append(self._transport)
+        self._engine.transports[self._number] = self._transport
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -94,12 +95,14 @@ class _EngineConnection(asyncio.Protocol):
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
-        self._request = SeenRequest(
-            self._number,
-            self._parser.get_method().decode(),
-            self._url.decode("latin-1"),
-            CIMultiDict(self._headers),
-        )
+        method, path = self._parser.get_method().decode(), self._url.decode("latin-1")
+        own_call = dict(self._headers).get("User-Agent", "").startswith("tether/")
+        if own_call and method == "GET" and path in PROBE_PATHS and self._transport is not None:
+            # tether asking which engine this is: none it knows (nothing a script sees).
+            self._transport.write(http_response(404, b"", headers=(("Connection", "close"),)))
+            self._transport.close()
+            return
+        self._request = SeenRequest(self._number, method, path, CIMultiDict(self._headers))
         self._engine.requests.append(self._request)
         self._answer()
 
@@ -151,10 +154,15 @@ class ScriptedEngine:
 
     async def start(self) -> ScriptedEngine:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _EngineConnection(self, self.connections), "127.0.0.1", 0
-        )
+        self._server = await loop.create_server(self._connection, "127.0.0.1", 0)
         return self
+
+    def _connection(self) -> _EngineConnection:
+        """A new connection, numbered as it was accepted (before any of it is read: two
+        accepted together get numbers of their own)."""
+        self.transports.append(None)
+        self.connections += 1
+        return _EngineConnection(self, self.connections - 1)
 
     async def close(self) -> None:
         if self._server is not None:
