@@ -54,6 +54,11 @@ class UpstreamClient:
             key = settings.upstream_admin_key.get_secret_value()
             self._abort_headers["Authorization"] = f"Bearer {key}"
         self._base_url = settings.upstream_url
+        # An engine that guards its reads with a key (SGLang and vLLM with --api-key) answers
+        # what it is only to the key tether holds for it.
+        self._probe_headers = {
+            name: value for name, value in self._abort_headers.items() if name == "Authorization"
+        }
         self._health_url = settings.upstream_url + settings.upstream_health_path
         self._health_timeout = aiohttp.ClientTimeout(total=max(settings.health_interval, 2.0))
 
@@ -158,7 +163,10 @@ class UpstreamClient:
         (`engines.identify`)."""
         try:
             async with self._health_session.get(
-                self._base_url + path, timeout=self._health_timeout, allow_redirects=False
+                self._base_url + path,
+                headers=self._probe_headers,
+                timeout=self._health_timeout,
+                allow_redirects=False,
             ) as response:
                 if response.status != 200:
                     return None
