@@ -25,7 +25,7 @@ from .support.collected_log import CollectedLog
 from .support.metrics import metric_in_text
 from .support.net import free_port
 from .support.processes import TetherProcess, TetherProcessFactory, run_tether_cli
-from .support.raw_http import RawClient
+from .support.raw_http import RawClient, request_with_header_bytes
 from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
@@ -241,6 +241,31 @@ async def test_admin_calls_need_the_token_on_the_supervisor_too(
     body = {"request_id": "x"}
     async with http.post(process.admin_url("/admin/abort"), json=body) as response:
         assert response.status == 401
+
+
+async def test_a_token_that_is_not_utf8_gets_401_on_the_supervisor_too(
+    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory
+) -> None:
+    """An `Authorization` header that is not UTF-8 (the right token with a Latin-1 byte
+    after it) is a wrong token on the supervisor's admin port as well: 401 with the JSON
+    error, never a 500."""
+    _, engine_url = await fake_engine()
+    process = await tether_process(engine_url, **TWO_WORKERS)
+    for method, path, body in (
+        ("GET", "/admin/requests", b""),
+        ("POST", "/admin/abort", b'{"request_id": "x"}'),
+    ):
+        client = await RawClient.connect(process.admin_port)
+        authorization = f"Bearer {TOKEN}".encode() + b"\xe9"
+        await client.send(
+            request_with_header_bytes(path, "Authorization", authorization, method, body)
+        )
+
+        reply = await client.read_reply()
+
+        assert reply.status == 401, path
+        assert reply.json()["error"]["code"] == "invalid_admin_token"
+        client.close_fin()
 
 
 async def test_readiness_names_each_worker_that_is_not_ready(
