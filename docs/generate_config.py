@@ -51,7 +51,7 @@ engine see when a timeout or size limit is reached is on [Limits](limits.md).
 # Where each setting is explained at length. A name that is not a field fails the script,
 # so a renamed or removed setting cannot leave a dead entry behind.
 SEE_ALSO: dict[str, tuple[str, str]] = {
-    "admin_host": ("why all addresses", "operations.md#admin-api"),
+    "admin_host": ("who must reach it", "operations.md#admin-api"),
     "admin_port": ("Operations", "operations.md"),
     "engine": ("Engines and routes", "engines.md"),
     "abort_url": ("generic engines", "engines.md#any-engine-with-an-abort-api-generic"),

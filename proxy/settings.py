@@ -29,6 +29,7 @@ ENV_PREFIX = "TETHER_"
 
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HTTP_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
+_EVERY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
 
 
 def _one_of(choices: Sequence[str]) -> str:
@@ -78,7 +79,11 @@ class _SettingsHead(BaseSettings):
     port: int = Field(
         8080, ge=0, le=65535, description="Port clients connect to (0: any free port)."
     )
-    admin_host: str = Field("0.0.0.0", description="Address of the admin port.")
+    admin_host: str = Field(
+        "127.0.0.1",
+        description="Address of the admin port: loopback unless set (the image sets 0.0.0.0, "
+        "where the kubelet's probes and Prometheus reach the pod's address).",
+    )
     admin_port: int = Field(
         9090, ge=0, le=65535, description="Health, readiness, metrics and admin API."
     )
@@ -366,7 +371,7 @@ class Settings(EngineSettings, _SettingsHead):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if self.port == self.admin_port != 0 and self.host == self.admin_host:
+        if self.port == self.admin_port != 0 and _addresses_overlap(self.host, self.admin_host):
             raise ValueError("TETHER_PORT and TETHER_ADMIN_PORT must differ")
         engines.check_settings(self)  # what the engine itself requires or refuses
         if self.blocked_paths == (ALLOW_PUBLIC,):
@@ -380,6 +385,12 @@ class Settings(EngineSettings, _SettingsHead):
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
         return self
+
+
+def _addresses_overlap(host: str, other: str) -> bool:
+    """Whether listening on both addresses with one port would collide: the same address, or
+    either one every address (`0.0.0.0`, `::`, which takes IPv4 too)."""
+    return host == other or bool({host, other} & _EVERY_ADDRESS)
 
 
 def _split_host_port(value: str, *, required: bool) -> tuple[str, int | None]:
