@@ -201,6 +201,13 @@ class Settings(EngineSettings, _SettingsHead):
         "/v1/responses/<id>) that alone are forwarded, others refused with 403; public: the "
         "engine's inference and read-only routes (vllm, sglang); unset: every path not blocked.",
     )
+    max_request_head: int = Field(
+        32 * 1024,
+        gt=0,
+        description="Largest request head (bytes: the request line and every header line "
+        "together); a larger one is refused with 431 and never reaches the engine. One line "
+        "over 16 KiB, or over 128 headers, is refused (400) before this is counted.",
+    )
     max_json_body: int = Field(
         32 * 1024 * 1024,
         gt=0,

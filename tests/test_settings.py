@@ -81,6 +81,10 @@ from .support.settings import make_settings
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "9000", "TETHER_ADMIN_PORT": "9000"},
             "TETHER_ADMIN_PORT",
         ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_MAX_REQUEST_HEAD": "0"},
+            "TETHER_MAX_REQUEST_HEAD",
+        ),
     ],
 )
 def test_bad_setting_exits_2_naming_the_variable(
