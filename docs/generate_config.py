@@ -75,6 +75,7 @@ SEE_ALSO: dict[str, tuple[str, str]] = {
     "blocked_paths": ("control routes", "engines.md#control-routes-tether-refuses"),
     "allowed_paths": ("allowlist", "engines.md#an-allowlist-instead"),
     "max_request_head": ("limits", "limits.md"),
+    "max_streamed_uploads": ("limits", "limits.md"),
     "tcp_keepalive_idle": ("limits", "limits.md"),
     "fleet_dns": ("abort across replicas", "fleets.md#abort-by-id-across-every-replica"),
     "fleet_peers": ("abort across replicas", "fleets.md#abort-by-id-across-every-replica"),

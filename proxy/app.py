@@ -26,6 +26,7 @@ from .request_ids import IdMinter
 from .settings import Settings
 from .tracing import Tracer
 from .upstream import UpstreamClient
+from .upstream_pool import UploadLimit
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -52,10 +53,13 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     metrics = Metrics()
     engine = engine_profile(settings)
+    uploads = UploadLimit(settings.max_streamed_uploads, metrics.streamed_uploads)
     provider = cast("TracerProvider | None", app.get(TRACER_PROVIDER))
     with Tracer.open(settings, provider) as tracer:
         async with (
-            UpstreamClient.open(settings, keepalive_seconds=engine.keepalive_seconds) as upstream,
+            UpstreamClient.open(
+                settings, keepalive_seconds=engine.keepalive_seconds, uploads=uploads
+            ) as upstream,
             Fleet.open(settings) as fleet,
         ):
             readiness = Readiness(upstream, settings.health_interval, metrics)

@@ -70,6 +70,11 @@ class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
     """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
 
 
+class TooManyUploadsError(ClientRequestError):
+    """TETHER_MAX_STREAMED_UPLOADS engine connections already wait for their clients' bodies
+    (or the engine's answer to a WebSocket handshake)."""
+
+
 class BlockedRouteError(ClientRequestError, PermissionError):
     """An engine control route: no client may reach it through tether."""
 
@@ -195,8 +200,8 @@ class ErrorKind:
     # The connection closes after the answer: tether is stopping the request or draining,
     # or what follows on it is not HTTP/1.x.
     closes_connection: bool = False
-    # Retry-After: 0, so a client or gateway retries at once, elsewhere.
-    retry_now: bool = False
+    # Retry-After: this many seconds (0: a client or gateway retries at once, elsewhere).
+    retry_after: int | None = None
 
 
 _INFO, _WARNING, _ERROR = logging.INFO, logging.WARNING, logging.ERROR
@@ -217,6 +222,8 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
         431, _INVALID, "request_header_fields_too_large", _INFO, closes_connection=True
     ),
     ClientBodyTimeoutError: ErrorKind(408, _TIMEOUT, "client_body_timeout", _INFO),
+    # The slots free as others' uploads end: a retry a second later, not a storm of them.
+    TooManyUploadsError: ErrorKind(503, _UNAVAILABLE, "too_many_uploads", _INFO, retry_after=1),
     BlockedRouteError: ErrorKind(403, _PERMISSION, "blocked_route", _INFO),
     RouteNotAllowedError: ErrorKind(403, _PERMISSION, "route_not_allowed", _INFO),
     MethodNotAllowedError: ErrorKind(405, _INVALID, "method_not_allowed", _INFO),
@@ -228,7 +235,7 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
         503, _UNAVAILABLE, "aborted_by_operator", _INFO, closes_connection=True
     ),
     ShuttingDownError: ErrorKind(
-        503, _UNAVAILABLE, "shutting_down", _INFO, closes_connection=True, retry_now=True
+        503, _UNAVAILABLE, "shutting_down", _INFO, closes_connection=True, retry_after=0
     ),
     AdminDisabledError: ErrorKind(403, _PERMISSION, "admin_disabled", _INFO),
     InvalidAdminTokenError: ErrorKind(401, "authentication_error", "invalid_admin_token", _INFO),
@@ -258,8 +265,8 @@ def error_response(
     response = web.Response(status=kind.status, body=error.body(), content_type="application/json")
     if request_id_header is not None and client_request_id is not None:
         response.headers[request_id_header] = client_request_id
-    if kind.retry_now:
-        response.headers["Retry-After"] = "0"
+    if kind.retry_after is not None:
+        response.headers["Retry-After"] = str(kind.retry_after)
     if kind.closes_connection:
         response.force_close()
     return response

@@ -213,6 +213,14 @@ class Settings(EngineSettings, _SettingsHead):
         gt=0,
         description="Largest JSON request body (bytes) tether reads to write its ID into.",
     )
+    max_streamed_uploads: int = Field(
+        64,
+        gt=0,
+        description="Requests that may hold an engine connection at once while their body "
+        "still arrives (a body tether streams through rather than reads whole) or their "
+        "WebSocket handshake awaits the engine's answer; more are refused with 503 and "
+        "Retry-After, and never reach the engine. Per process (each of TETHER_WORKERS).",
+    )
     tcp_keepalive_idle: int = Field(
         30,
         ge=1,

@@ -17,7 +17,7 @@ from .engines import AbortCall
 from .headers import request_head
 from .settings import Settings
 from .upstream_exchange import UpstreamExchange
-from .upstream_pool import UpstreamPool
+from .upstream_pool import UploadLimit, UpstreamPool
 
 
 class UpstreamClient:
@@ -51,11 +51,12 @@ class UpstreamClient:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, settings: Settings, *, keepalive_seconds: float
+        cls, settings: Settings, *, keepalive_seconds: float, uploads: UploadLimit
     ) -> AsyncIterator[UpstreamClient]:
         """The client and its connections; idle ones are closed after `keepalive_seconds`
         (the engine profile's: below the engine's own keep-alive, so tether never sends a
-        request on a connection the engine is closing)."""
+        request on a connection the engine is closing), and at most `uploads` held while
+        their clients still send."""
         parts = urlsplit(settings.upstream_url)
         https = parts.scheme == "https"
         pool = UpstreamPool(
@@ -64,6 +65,7 @@ class UpstreamClient:
             ssl_context=ssl.create_default_context() if https else None,
             connect_timeout=settings.connect_timeout,
             idle_timeout=keepalive_seconds,
+            uploads=uploads,
         )
         # Abort calls keep a few connections of their own, warm, so an abort never waits for
         # a connection the relay is using nor pays for a new one at the worst moment.

@@ -85,6 +85,10 @@ from .support.settings import make_settings
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_MAX_REQUEST_HEAD": "0"},
             "TETHER_MAX_REQUEST_HEAD",
         ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_MAX_STREAMED_UPLOADS": "0"},
+            "TETHER_MAX_STREAMED_UPLOADS",
+        ),
     ],
 )
 def test_bad_setting_exits_2_naming_the_variable(
