@@ -47,8 +47,8 @@ class UploadLimit:
         """One more, or `TooManyUploadsError` at the limit (before any connection is taken)."""
         if self.held >= self.limit:
             raise TooManyUploadsError(
-                f"{self.limit} requests are already sending their bodies to the engine "
-                "(TETHER_MAX_STREAMED_UPLOADS); retry shortly"
+                f"{self.limit} requests already hold an engine connection while their clients "
+                "send (TETHER_MAX_STREAMED_UPLOADS); retry shortly"
             )
         self._set(self.held + 1)
 

@@ -493,7 +493,7 @@ def _runtime_directories(parent: Path) -> set[Path]:
 
 
 async def test_a_killed_supervisors_directory_is_removed_by_the_next_one(
-    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory, short_tmpdir: Path
+    fake_engine: FakeEngineFactory, short_tmpdir: Path, tether_process: TetherProcessFactory
 ) -> None:
     """SIGKILL leaves the supervisor's runtime directory behind; the next supervisor to start
     removes it, and leaves the one of a supervisor that still runs."""
