@@ -1,7 +1,8 @@
 # tether: reverse-proxy sidecar in front of an LLM inference server.
 #
 #   docker build -t tether .
-#   docker run --rm --network host -e TETHER_UPSTREAM_URL=http://127.0.0.1:8000 tether
+#   docker run --rm --network host -e TETHER_UPSTREAM_URL=http://127.0.0.1:8000 \
+#     -e TETHER_ADMIN_HOST=127.0.0.1 tether
 #
 # Configured only by TETHER_* environment variables (see deploy/README.md and config/*.env).
 # The same image also carries the bundled fake engine for demos:
@@ -59,9 +60,13 @@ RUN groupadd --system --gid 10001 tether \
 COPY --from=build /opt/tether /opt/tether
 
 # PYTHONDONTWRITEBYTECODE: nothing is written at run time, so a read-only root FS works.
+# TETHER_ADMIN_HOST: tether's own default is loopback, but in a container the kubelet's
+# probes, Prometheus and the other replicas reach the admin port on the container's address.
+# With --network host, set it back to 127.0.0.1 (deploy/README.md).
 ENV PATH=/opt/tether/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    TETHER_ADMIN_HOST=0.0.0.0
 
 # tether reads an optional .env from its working directory: mount one at /etc/tether/.env
 # if env vars are inconvenient. The directory is empty in the image.

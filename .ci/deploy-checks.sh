@@ -150,6 +150,8 @@ for name, s in sorted(tethers.items()):
         problems.append(f"{name}: TETHER_REPLICA_NAME must be its replica's name, {replica}")
     if env.get("TETHER_ADMIN_TOKEN") != "ci":
         problems.append(f"{name}: TETHER_ADMIN_TOKEN must come from the shared variable")
+    if env.get("TETHER_ADMIN_HOST", "0.0.0.0") not in ("0.0.0.0", "::"):
+        problems.append(f"{name}: TETHER_ADMIN_HOST must be 0.0.0.0 (the other replicas call it)")
     engines = [n for n, e in services.items() if e.get("network_mode") == f"service:{replica}"
                and e.get("entrypoint") == ["tether-fake-engine"]]
     if len(engines) != 1 or "127.0.0.1" not in services[engines[0]]["command"]:
@@ -218,7 +220,8 @@ BAD=(config.port=http config.engine=tgi config.shutdownGrace=-1 config.requestTi
      grafanaDashboard.labelValue=1 'grafanaDashboard.label=a b'
      config.requestIdMode=random config.fleetDns=bad_name! 'config.fleetPeers={nohost}'
      config.fleetPeers=a:1 config.fleetTimeout=-1 config.abortConfirmTimeout=0 config.tracing=maybe
-     config.workers=0 config.workers=many config.requestIdMode=preserve,config.workers=2)
+     config.workers=0 config.workers=many config.maxRequestHead=0 config.maxStreamedUploads=0
+     config.requestIdMode=preserve,config.workers=2)
 for bad in "${BAD[@]}"; do
   for helm in "$HELM" "$HELM3"; do
     if "$helm" lint --strict "$CHART" --set "$bad" > "$WORK/bad.txt" 2>&1; then
@@ -287,6 +290,10 @@ for path in sorted(glob.glob(f"{rendered}/*.yaml")):
             get = t.get(probe, {}).get("httpGet", {})
             if get.get("path") != path_ or get.get("port") != "tether-admin":
                 fail(where, f"tether {probe} must be GET {path_} on tether-admin")
+        # tether's own default is loopback; the probes and scrapes come to the pod's address
+        # (unset: the image's ENV, 0.0.0.0).
+        if env.get("TETHER_ADMIN_HOST", "0.0.0.0") not in ("0.0.0.0", "::"):
+            fail(where, "TETHER_ADMIN_HOST must be 0.0.0.0 or :: (probes reach the pod's address)")
         sc = t.get("securityContext", {})
         for key, want in (("readOnlyRootFilesystem", True), ("runAsNonRoot", True),
                           ("allowPrivilegeEscalation", False)):

@@ -51,7 +51,7 @@ engine see when a timeout or size limit is reached is on [Limits](limits.md).
 # Where each setting is explained at length. A name that is not a field fails the script,
 # so a renamed or removed setting cannot leave a dead entry behind.
 SEE_ALSO: dict[str, tuple[str, str]] = {
-    "admin_host": ("why all addresses", "operations.md#admin-api"),
+    "admin_host": ("who must reach it", "operations.md#admin-api"),
     "admin_port": ("Operations", "operations.md"),
     "engine": ("Engines and routes", "engines.md"),
     "abort_url": ("generic engines", "engines.md#any-engine-with-an-abort-api-generic"),
@@ -74,6 +74,8 @@ SEE_ALSO: dict[str, tuple[str, str]] = {
     "health_interval": ("probes", "operations.md#probes"),
     "blocked_paths": ("control routes", "engines.md#control-routes-tether-refuses"),
     "allowed_paths": ("allowlist", "engines.md#an-allowlist-instead"),
+    "max_request_head": ("limits", "limits.md"),
+    "max_streamed_uploads": ("limits", "limits.md"),
     "tcp_keepalive_idle": ("limits", "limits.md"),
     "fleet_dns": ("abort across replicas", "fleets.md#abort-by-id-across-every-replica"),
     "fleet_peers": ("abort across replicas", "fleets.md#abort-by-id-across-every-replica"),

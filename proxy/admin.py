@@ -179,7 +179,10 @@ def check_authorised(request: web.Request, settings: Settings) -> None:
     token = settings.admin_token
     if token is None:
         raise AdminDisabledError()
-    sent = request.headers.get("Authorization", "")
-    expected = f"Bearer {token.get_secret_value()}"
-    if not hmac.compare_digest(sent.encode(), expected.encode()):
+    # aiohttp decodes header bytes that are not UTF-8 with `surrogateescape`: encoded the same
+    # way, any header gives back the bytes the client sent (a plain `encode()` raises on them),
+    # and bytes compare in constant time whatever they hold.
+    sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    expected = f"Bearer {token.get_secret_value()}".encode()
+    if not hmac.compare_digest(sent, expected):
         raise InvalidAdminTokenError()

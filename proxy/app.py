@@ -27,6 +27,7 @@ from .request_ids import IdMinter
 from .settings import RequestIdMode, Settings
 from .tracing import Tracer
 from .upstream import UpstreamClient
+from .upstream_pool import UploadLimit
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -57,10 +58,13 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
     client sessions they use are closed, and before the spans they end are flushed."""
     settings = app[SETTINGS]
     metrics = Metrics()
+    uploads = UploadLimit(settings.max_streamed_uploads, metrics.streamed_uploads)
     provider = cast("TracerProvider | None", app.get(TRACER_PROVIDER))
     with Tracer.open(settings, provider) as tracer:
         async with (
-            UpstreamClient.open(settings, keepalive_seconds=KEEPALIVE_SECONDS) as upstream,
+            UpstreamClient.open(
+                settings, keepalive_seconds=KEEPALIVE_SECONDS, uploads=uploads
+            ) as upstream,
             Fleet.open(settings) as fleet,
         ):
             identity = EngineIdentity(settings, upstream, metrics)

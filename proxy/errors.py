@@ -72,8 +72,17 @@ class TooManyEngineRequestsError(ClientRequestError, ValueError):
     in one abort (TETHER_MAX_ENGINE_REQUESTS)."""
 
 
+class RequestHeadTooLargeError(ClientRequestError):
+    """The request line and headers together exceed TETHER_MAX_REQUEST_HEAD."""
+
+
 class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
     """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
+
+
+class TooManyUploadsError(ClientRequestError):
+    """TETHER_MAX_STREAMED_UPLOADS engine connections already wait for their clients' bodies
+    (or the engine's answer to a WebSocket handshake)."""
 
 
 class BlockedRouteError(ClientRequestError, PermissionError):
@@ -201,8 +210,8 @@ class ErrorKind:
     # The connection closes after the answer: tether is stopping the request or draining,
     # or what follows on it is not HTTP/1.x.
     closes_connection: bool = False
-    # Retry-After: 0, so a client or gateway retries at once, elsewhere.
-    retry_now: bool = False
+    # Retry-After: this many seconds (0: a client or gateway retries at once, elsewhere).
+    retry_after: int | None = None
 
 
 _INFO, _WARNING, _ERROR = logging.INFO, logging.WARNING, logging.ERROR
@@ -219,7 +228,14 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
     InvalidRequestBodyError: ErrorKind(400, _INVALID, "invalid_request_body", _INFO),
     RequestBodyTooLargeError: ErrorKind(413, _INVALID, "request_body_too_large", _INFO),
     TooManyEngineRequestsError: ErrorKind(400, _INVALID, "too_many_engine_requests", _INFO),
+    # The connection closes, as nginx closes it after a head too large: a client that sent
+    # one may send more, and each costs parsing it.
+    RequestHeadTooLargeError: ErrorKind(
+        431, _INVALID, "request_header_fields_too_large", _INFO, closes_connection=True
+    ),
     ClientBodyTimeoutError: ErrorKind(408, _TIMEOUT, "client_body_timeout", _INFO),
+    # The slots free as others' uploads end: a retry a second later, not a storm of them.
+    TooManyUploadsError: ErrorKind(503, _UNAVAILABLE, "too_many_uploads", _INFO, retry_after=1),
     BlockedRouteError: ErrorKind(403, _PERMISSION, "blocked_route", _INFO),
     RouteNotAllowedError: ErrorKind(403, _PERMISSION, "route_not_allowed", _INFO),
     MethodNotAllowedError: ErrorKind(405, _INVALID, "method_not_allowed", _INFO),
@@ -231,7 +247,7 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
         503, _UNAVAILABLE, "aborted_by_operator", _INFO, closes_connection=True
     ),
     ShuttingDownError: ErrorKind(
-        503, _UNAVAILABLE, "shutting_down", _INFO, closes_connection=True, retry_now=True
+        503, _UNAVAILABLE, "shutting_down", _INFO, closes_connection=True, retry_after=0
     ),
     AdminDisabledError: ErrorKind(403, _PERMISSION, "admin_disabled", _INFO),
     InvalidAdminTokenError: ErrorKind(401, "authentication_error", "invalid_admin_token", _INFO),
@@ -261,8 +277,8 @@ def error_response(
     response = web.Response(status=kind.status, body=error.body(), content_type="application/json")
     if request_id_header is not None and client_request_id is not None:
         response.headers[request_id_header] = client_request_id
-    if kind.retry_now:
-        response.headers["Retry-After"] = "0"
+    if kind.retry_after is not None:
+        response.headers["Retry-After"] = str(kind.retry_after)
     if kind.closes_connection:
         response.force_close()
     return response

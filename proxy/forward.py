@@ -38,6 +38,7 @@ from .errors import (
     InvalidRequestIdError,
     MethodNotAllowedError,
     OverlappingRequestIdError,
+    RequestHeadTooLargeError,
     RequestTimeoutError,
     RouteNotAllowedError,
     ShuttingDownError,
@@ -46,7 +47,7 @@ from .errors import (
     TooManyEngineRequestsError,
     error_response,
 )
-from .headers import client_response_headers, upstream_request_headers
+from .headers import client_head_size, client_response_headers, upstream_request_headers
 from .logging import bind_request_ids
 from .metrics import route_label
 from .relay import ResponseRelay
@@ -93,6 +94,12 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
     try:
         if ctx.readiness.draining:
             raise ShuttingDownError()
+        head_size = client_head_size(request.method, request.raw_path, request.raw_headers)
+        if head_size > settings.max_request_head:
+            raise RequestHeadTooLargeError(
+                f"the request head is {head_size} bytes; the limit is "
+                f"{settings.max_request_head} (TETHER_MAX_REQUEST_HEAD)"
+            )
         _refuse_unforwardable(request, engine)
         websocket = websocket_asked(request)
         header_request_id = _header_request_id(request, settings.request_id_header)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Final
 
 from multidict import CIMultiDict, CIMultiDictProxy, istr
 
@@ -156,3 +157,19 @@ def request_head(
     # aiohttp decodes header bytes as UTF-8 with surrogate escapes: this gives back exactly
     # the bytes the client sent.
     return "".join(lines).encode("utf-8", "surrogateescape")
+
+
+# A request line's bytes besides its method and target (` ` and ` HTTP/1.1\r\n`) and the
+# blank line that ends the head; each field line's besides its name and value. (`Final`:
+# compiled, plain numbers rather than module attributes looked up on every request.)
+_REQUEST_LINE_AND_END: Final = len(" ") + len(" HTTP/1.1\r\n") + len("\r\n")
+_FIELD_LINE: Final = len(": \r\n")
+
+
+def client_head_size(method: str, target: str, raw_headers: tuple[tuple[bytes, bytes], ...]) -> int:
+    """The size of a client's request head: its request line and each `Name: value` line as
+    aiohttp parsed them (whitespace around a value, which is not kept, is not counted)."""
+    size = len(method) + len(target) + _REQUEST_LINE_AND_END + _FIELD_LINE * len(raw_headers)
+    for field in raw_headers:
+        size += len(field[0]) + len(field[1])
+    return size

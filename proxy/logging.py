@@ -5,8 +5,8 @@ Logs are shipped to third-party systems, so no record carries a prompt, a comple
 credential: tracebacks are rendered without local variables (the request path's locals hold
 bodies and headers, the abort path's the engine's admin key), and a redaction step masks
 credential fields, drops body fields, and masks bearer tokens, URL user-info and the
-configured secrets wherever they appear in a string, in tether's records and in aiohttp's and
-asyncio's alike.
+configured secrets wherever they appear in a string (a secret as a whole value, never inside
+a longer word), in tether's records and in aiohttp's and asyncio's alike.
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ _CONTAINERS = frozenset({dict, list, tuple})
 # The request a line belongs to: (client ID, internal ID), set once per request task.
 _REQUEST_IDS: ContextVar[tuple[str, str] | None] = ContextVar("tether_request_ids", default=None)
 _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[^\s,;\"']+")
+# A configured secret is masked only where it stands as a whole value: a letter or digit
+# right beside it, or beyond one of the characters a token holds inside it (RFC 6750's
+# b64token: `-._~+/`, and `=` padding after it), makes it part of a longer word, which a
+# short secret (`abc` in `fabcde`) must not mangle. A `=` before it is a separator
+# (`?key=abc`).
+_WORD_BEFORE = r"(?<![A-Za-z0-9])(?<![A-Za-z0-9][-._~+/])"
+_WORD_AFTER = r"(?![A-Za-z0-9])(?![-._~+/=][A-Za-z0-9])"
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']+@")
 
 
@@ -252,12 +259,16 @@ class Redactor:
     one line per request: as a processor, it drops content fields and masks credential
     fields by name (names are classified once), and leaves out fields that do not apply
     (None, e.g. `error` on a request that completed); `masking(renderer)` then masks bearer
-    tokens, URL user-info and the configured secrets in the rendered line, looking for them
-    only where a plain substring test says they could be."""
+    tokens, URL user-info and the configured secrets (whole values: a short token must not
+    mangle the words that contain it) in the rendered line, looking for them only where a
+    plain substring test says they could be."""
 
     def __init__(self, secrets: Iterable[str]) -> None:
         # Longest first, so a secret that contains another is masked whole.
-        self._secrets = sorted({secret for secret in secrets if secret}, key=len, reverse=True)
+        self._secrets = [
+            (secret, _whole_value(secret))
+            for secret in sorted({secret for secret in secrets if secret}, key=len, reverse=True)
+        ]
         # Field names already classified plain: a record with only those and no nested
         # values (tether's own lines, nearly always) needs no look at each field.
         self._plain: set[str] = set()
@@ -298,9 +309,9 @@ class Redactor:
 
     def mask(self, text: str) -> str:
         """`text` with every secret it quotes masked."""
-        for secret in self._secrets:
+        for secret, whole_value in self._secrets:
             if secret in text:
-                text = text.replace(secret, REDACTED)
+                text = whole_value.sub(REDACTED, text)
         if "://" in text:
             text = _URL_USERINFO.sub(rf"\1{REDACTED}@", text)
         lowered = text.lower()
@@ -317,6 +328,14 @@ class Redactor:
             return self.mask(line)
 
         return render
+
+
+def _whole_value(secret: str) -> re.Pattern[str]:
+    """`secret` wherever it is not part of a longer word (its ends bounded only where they
+    are word characters: a secret ending in `!` is masked before anything)."""
+    before = _WORD_BEFORE if secret[0].isascii() and secret[0].isalnum() else ""
+    after = _WORD_AFTER if secret[-1].isascii() and secret[-1].isalnum() else ""
+    return re.compile(before + re.escape(secret) + after)
 
 
 class _Field(Enum):

@@ -232,6 +232,12 @@ class Metrics:
         self.websocket_sessions_open = Gauge(
             "tether_websocket_sessions_open", "WebSocket sessions being relayed now."
         )
+        self.streamed_uploads = Gauge(
+            "tether_streamed_uploads",
+            "Engine connections held now for requests whose body is still arriving (streamed "
+            "through) or whose WebSocket handshake awaits the engine's answer; at "
+            "TETHER_MAX_STREAMED_UPLOADS more are refused with 503.",
+        )
         self.websocket_sessions = Counter(
             "tether_websocket_sessions",
             "WebSocket sessions relayed, by how they ended: completed (the engine closed "
@@ -261,6 +267,7 @@ class Metrics:
             self.engine_info,
             self.websocket_sessions_open,
             self.websocket_sessions,
+            self.streamed_uploads,
         )
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)

@@ -103,7 +103,7 @@ async def outgoing_body(
     )
     if not must_read:
         await _send_continue_if_asked(request)
-        return OutgoingBody(stream_body(request, body_timeout))
+        return OutgoingBody(_passed_through(request, body_timeout))
     labelled_json = json_rule.labelled(forwarded.getall(_CONTENT_TYPE, ()))
     if labelled_json:
         _check_declared_length(request, max_json_body)
@@ -112,7 +112,7 @@ async def outgoing_body(
     if not labelled_json:
         start = await _read_start(request, body_timeout, json_rule)
         if not json_rule.could_be_object(start):
-            return OutgoingBody(stream_body(request, body_timeout, start))
+            return OutgoingBody(_passed_through(request, body_timeout, start))
         _check_declared_length(request, max_json_body)
     body = start + await _read_whole(request, max_json_body - len(start), body_timeout)
     assert route is not None
@@ -190,6 +190,16 @@ def _named_id(document: JsonObject, name: str) -> str | None:
     if inner:
         value = value.get(inner) if isinstance(value, dict) else None
     return value if isinstance(value, str) and value else None
+
+
+def _passed_through(request: web.BaseRequest, timeout: float, start: bytes = b"") -> RequestBody:
+    """A body tether does not read into: as it is where it arrived whole (most small ones),
+    so that it never holds an engine connection waiting for the client (nor one of
+    TETHER_MAX_STREAMED_UPLOADS's places); else streamed as it arrives."""
+    content = request.content
+    if content.is_eof():
+        return start + content.read_nowait()
+    return stream_body(request, timeout, start)
 
 
 async def stream_body(

@@ -29,6 +29,7 @@ ENV_PREFIX = "TETHER_"
 
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HTTP_METHODS = ("POST", "PUT", "PATCH", "DELETE", "GET")
+_EVERY_ADDRESS = frozenset({"0.0.0.0", "::", ""})
 
 
 def _one_of(choices: Sequence[str]) -> str:
@@ -78,7 +79,11 @@ class _SettingsHead(BaseSettings):
     port: int = Field(
         8080, ge=0, le=65535, description="Port clients connect to (0: any free port)."
     )
-    admin_host: str = Field("0.0.0.0", description="Address of the admin port.")
+    admin_host: str = Field(
+        "127.0.0.1",
+        description="Address of the admin port: loopback unless set (the image sets 0.0.0.0, "
+        "where the kubelet's probes and Prometheus reach the pod's address).",
+    )
     admin_port: int = Field(
         9090, ge=0, le=65535, description="Health, readiness, metrics and admin API."
     )
@@ -199,6 +204,13 @@ class Settings(EngineSettings, _SettingsHead):
         "/v1/responses/<id>) that alone are forwarded, others refused with 403; public: the "
         "engine's inference and read-only routes (vllm, sglang); unset: every path not blocked.",
     )
+    max_request_head: int = Field(
+        32 * 1024,
+        gt=0,
+        description="Largest request head (bytes: the request line and every header line "
+        "together); a larger one is refused with 431 and never reaches the engine. One line "
+        "over 16 KiB, or over 128 headers, is refused (400) before this is counted.",
+    )
     max_json_body: int = Field(
         32 * 1024 * 1024,
         gt=0,
@@ -211,6 +223,14 @@ class Settings(EngineSettings, _SettingsHead):
         "them from its body (the prompts of a batch times its n samples); more is refused "
         "with 400. Each may have to be named in an abort call, so the bound keeps a client "
         "from multiplying abort calls and their size.",
+    )
+    max_streamed_uploads: int = Field(
+        64,
+        gt=0,
+        description="Requests that may hold an engine connection at once while their body "
+        "still arrives (a body tether streams through rather than reads whole) or their "
+        "WebSocket handshake awaits the engine's answer; more are refused with 503 and "
+        "Retry-After, and never reach the engine. Per process (each of TETHER_WORKERS).",
     )
     tcp_keepalive_idle: int = Field(
         30,
@@ -377,7 +397,7 @@ class Settings(EngineSettings, _SettingsHead):
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
-        if self.port == self.admin_port != 0 and self.host == self.admin_host:
+        if self.port == self.admin_port != 0 and _addresses_overlap(self.host, self.admin_host):
             raise ValueError("TETHER_PORT and TETHER_ADMIN_PORT must differ")
         engines.check_settings(self)  # what the engine itself requires or refuses
         if self.blocked_paths == (ALLOW_PUBLIC,):
@@ -401,6 +421,12 @@ class Settings(EngineSettings, _SettingsHead):
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
         return self
+
+
+def _addresses_overlap(host: str, other: str) -> bool:
+    """Whether listening on both addresses with one port would collide: the same address, or
+    either one every address (`0.0.0.0`, `::`, which takes IPv4 too)."""
+    return host == other or bool({host, other} & _EVERY_ADDRESS)
 
 
 def _split_host_port(value: str, *, required: bool) -> tuple[str, int | None]:

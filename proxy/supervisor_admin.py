@@ -17,7 +17,6 @@ as counter resets), `worker_errors` next to the lists.
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -32,6 +31,7 @@ from .errors import AdminError, FleetNotConfiguredError, error_response
 from .fleet import Fleet
 from .settings import Settings
 from .supervisor import Supervisor, Worker, reserved_port
+from .supervisor_runtime import runtime_directory
 from .worker_admin import WorkerAdminError
 
 log = structlog.get_logger("tether.admin")
@@ -65,7 +65,7 @@ async def _supervision(app: web.Application) -> AsyncIterator[None]:
     with (
         reserved_port(settings.host, settings.port) as port,
         # Mode 0700: only this user reaches the workers' admin sockets.
-        tempfile.TemporaryDirectory(prefix="tether-workers-") as runtime_dir,
+        runtime_directory() as runtime_dir,
     ):
         async with (
             Fleet.open(settings) as fleet,

@@ -21,7 +21,7 @@ from .engines.identify import MAX_PROBE_ANSWER
 from .headers import request_head
 from .settings import Settings
 from .upstream_exchange import UpstreamExchange
-from .upstream_pool import UpstreamPool
+from .upstream_pool import UploadLimit, UpstreamPool
 
 # What tether's own requests to the engine (aborts, health checks, identity probes) carry
 # as their User-Agent; clients' requests carry their own.
@@ -65,11 +65,12 @@ class UpstreamClient:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, settings: Settings, *, keepalive_seconds: float
+        cls, settings: Settings, *, keepalive_seconds: float, uploads: UploadLimit
     ) -> AsyncIterator[UpstreamClient]:
         """The client and its connections; idle ones are closed after `keepalive_seconds`
         (the engine profile's: below the engine's own keep-alive, so tether never sends a
-        request on a connection the engine is closing)."""
+        request on a connection the engine is closing), and at most `uploads` held while
+        their clients still send."""
         parts = urlsplit(settings.upstream_url)
         https = parts.scheme == "https"
         # tether's own calls say who makes them (the engine's logs, its access log).
@@ -80,6 +81,7 @@ class UpstreamClient:
             ssl_context=ssl.create_default_context() if https else None,
             connect_timeout=settings.connect_timeout,
             idle_timeout=keepalive_seconds,
+            uploads=uploads,
         )
         # Abort calls keep a few connections of their own, warm, so an abort never waits for
         # a connection the relay is using nor pays for a new one at the worst moment.

@@ -51,6 +51,7 @@ class UpstreamExchange:
         "_connection",
         "_event",
         "_head_only",
+        "_holds_upload",
         "_loop",
         "_pending",
         "_pending_size",
@@ -85,6 +86,7 @@ class UpstreamExchange:
         self._connection: UpstreamConnection | None = None
         self._replay: tuple[bytes, bytes | None] | None = None  # the request, if resendable
         self._retried = False
+        self._holds_upload = False  # one of the pool's `UploadLimit` places
         self._body_writer: asyncio.Task[None] | None = None
         self._event: asyncio.Future[None] | None = None
         self._sink: BodySink | None = None
@@ -108,8 +110,19 @@ class UpstreamExchange:
 
         A streamed body goes out as it arrives, with chunked framing when `chunked`, until it
         ends or the engine answers: an early answer (an engine refusing the request before
-        reading it all) returns at once, and the rest of the body is never read or sent."""
-        connection = await self._pool.acquire()
+        reading it all) returns at once, and the rest of the body is never read or sent.
+
+        Until then, or until the engine answers a WebSocket handshake, the connection waits
+        for the client: it takes one of the pool's upload places first, and with none left
+        the request is refused (`TooManyUploadsError`) before any connection is taken."""
+        whole = body is None or isinstance(body, bytes)
+        if self._upgrade or not whole:
+            self._take_upload()
+        try:
+            connection = await self._pool.acquire()
+        except BaseException:
+            self._give_back_upload()
+            raise
         self._attach_connection(connection)
         if body is None or isinstance(body, bytes):
             if self._replayable:
@@ -127,6 +140,7 @@ class UpstreamExchange:
         finally:
             if not writer.done():
                 writer.cancel()  # answered early, failed, or the handler was cancelled
+            self._give_back_upload()
         if writer.done() and not writer.cancelled():
             writer.result()  # the client's body failed (a timeout): its error is the answer
 
@@ -146,6 +160,15 @@ class UpstreamExchange:
         connection.request_written()
         self._mark_sent()
 
+    def _take_upload(self) -> None:
+        self._pool.uploads.take()
+        self._holds_upload = True
+
+    def _give_back_upload(self) -> None:
+        if self._holds_upload:
+            self._holds_upload = False
+            self._pool.uploads.give_back()
+
     def _mark_sent(self) -> None:
         self.sent = True
         self.sent_at = time.monotonic()
@@ -160,6 +183,8 @@ class UpstreamExchange:
         assert self._replay is not None
         self._retried = True
         head, body = self._replay
+        if self._upgrade:  # the handshake waits again (its place went with the failure)
+            self._take_upload()
         connection = await self._pool.connect()
         self._attach_connection(connection)
         connection.write(head + body if body else head)
@@ -299,6 +324,7 @@ class UpstreamExchange:
             self._body_writer.cancel()
         if not self.ended:
             self.error = UpstreamBrokenError("tether closed the connection")
+        self._give_back_upload()
         self._signal()
 
     # --- told by the connection (ResponseListener) -------------------------------------------
@@ -306,6 +332,7 @@ class UpstreamExchange:
     def on_head(self, head: ResponseHead) -> None:
         self.head = head
         self._replay = None  # answered: it will not be sent again, so not kept either
+        self._give_back_upload()  # a handshake answered no longer waits
         self._signal()
 
     def _on_body(self, chunk: bytes) -> None:
@@ -346,4 +373,5 @@ class UpstreamExchange:
             return
         self.error = error
         self.ended_at = time.monotonic()
+        self._give_back_upload()
         self._signal()

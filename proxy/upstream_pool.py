@@ -4,6 +4,11 @@ Idle connections are closed after `idle_timeout` (below the engine's own keep-al
 the most recently used one is taken first, so the rest expire. Whether a connection comes back
 at all is the connection's own decision (`UpstreamConnection`): the pool only keeps what it
 is handed and drops what closed.
+
+A connection taken for a request whose body is still arriving (streamed through) or whose
+WebSocket handshake waits for the engine's 101 is held for as long as the client takes, so
+how many may be held so at once is bounded (`UploadLimit`): nginx buffers a body before it
+takes an engine connection, and holds none while a client trickles one.
 """
 
 from __future__ import annotations
@@ -11,13 +16,49 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
-from .errors import UpstreamConnectTimeoutError, UpstreamUnavailableError
+from .errors import TooManyUploadsError, UpstreamConnectTimeoutError, UpstreamUnavailableError
 from .upstream_connection import ConnectionState, UpstreamConnection
 
 # How a connection is opened: the protocol factory in, the connected protocol out. The
 # default is a TCP (or TLS) connection; tests drive the pool without sockets.
 Connector = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamConnection]]
+
+
+class Shown(Protocol):
+    """Where a number is shown (a metrics gauge)."""
+
+    value: float
+
+
+class UploadLimit:
+    """How many engine connections may wait for their clients at once (a body still
+    arriving, or a WebSocket handshake until the engine's answer); one per app."""
+
+    __slots__ = ("_shown", "held", "limit")
+
+    def __init__(self, limit: int, shown: Shown | None = None) -> None:
+        self.limit = limit
+        self.held = 0
+        self._shown = shown
+
+    def take(self) -> None:
+        """One more, or `TooManyUploadsError` at the limit (before any connection is taken)."""
+        if self.held >= self.limit:
+            raise TooManyUploadsError(
+                f"{self.limit} requests already hold an engine connection while their clients "
+                "send (TETHER_MAX_STREAMED_UPLOADS); retry shortly"
+            )
+        self._set(self.held + 1)
+
+    def give_back(self) -> None:
+        self._set(self.held - 1)
+
+    def _set(self, held: int) -> None:
+        self.held = held
+        if self._shown is not None:
+            self._shown.value = float(held)
 
 
 class UpstreamPool:
@@ -31,9 +72,11 @@ class UpstreamPool:
         ssl_context: ssl.SSLContext | None,
         connect_timeout: float,
         idle_timeout: float,
+        uploads: UploadLimit,
         connector: Connector | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
+        self.uploads = uploads
         self._host = host
         self._port = port
         self._ssl = ssl_context

@@ -18,6 +18,8 @@ from .support.canaries import CANARY_SECRET
 from .support.chat import chat_body
 from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, url
 from .support.metrics import metric, metric_in_text
+from .support.processes import TetherProcessFactory
+from .support.raw_http import RawClient, request_with_header_bytes
 from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 from .support.waiting import poll_until
 
@@ -44,6 +46,35 @@ async def test_healthz_answers_while_the_process_serves(
     server = await tether("http://127.0.0.1:9")
     async with http.get(admin_url(server, "/healthz")) as response:
         assert response.status == 200
+
+
+@pytest.mark.parametrize(
+    ("admin_host", "reachable_elsewhere"),
+    [pytest.param("", False, id="unset"), pytest.param("0.0.0.0", True, id="all-addresses")],
+)
+async def test_the_admin_port_listens_on_loopback_unless_told(
+    fake_engine: FakeEngineFactory,
+    tether_process: TetherProcessFactory,
+    admin_host: str,
+    reachable_elsewhere: bool,
+) -> None:
+    """Without TETHER_ADMIN_HOST (empty counts as unset) the admin port takes connections on
+    127.0.0.1 only: another address of this machine (127.0.0.2, also loopback) is refused, as
+    any address but loopback would be. With 0.0.0.0, as the image sets, it takes them there."""
+    _, engine_url = await fake_engine()
+    process = await tether_process(engine_url, TETHER_ADMIN_HOST=admin_host)
+
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.2", process.admin_port), 5
+        )
+    except ConnectionRefusedError:
+        reachable = False
+    else:
+        writer.close()
+        reachable = True
+
+    assert reachable is reachable_elsewhere
 
 
 async def test_readyz_follows_the_engine_health(
@@ -203,6 +234,32 @@ async def test_admin_abort_needs_the_right_token(
             admin_url(server, "/admin/abort"), json={"request_id": "x"}, headers=headers
         ) as response:
             assert response.status == 401
+
+
+# Bytes that are not UTF-8 (which no client library sends): alone, and after the right token.
+UNREADABLE_TOKENS = [
+    pytest.param(b"Bearer \xff\xfe", id="not-utf8"),
+    pytest.param(b"Bearer " + CANARY_SECRET.encode() + b"\xe9", id="right-token-then-latin1"),
+]
+
+
+@pytest.mark.parametrize("route", ["GET /admin/requests", "POST /admin/abort"])
+@pytest.mark.parametrize("authorization", UNREADABLE_TOKENS)
+async def test_a_token_that_is_not_utf8_gets_401(
+    tether: TetherFactory, route: str, authorization: bytes
+) -> None:
+    """An `Authorization` header that is not UTF-8 is a wrong token: 401 with the JSON
+    error, never a 500."""
+    server = await tether("http://127.0.0.1:9", admin_token=CANARY_SECRET)
+    client = await RawClient.connect(server.admin_port)
+    method, _, path = route.partition(" ")
+    body = b'{"request_id": "x"}' if method == "POST" else b""
+    await client.send(request_with_header_bytes(path, "Authorization", authorization, method, body))
+
+    reply = await client.read_reply()
+
+    assert reply.status == 401
+    assert reply.json()["error"]["code"] == "invalid_admin_token"
 
 
 async def test_admin_abort_by_client_id_aborts_every_match(

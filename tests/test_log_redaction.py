@@ -78,6 +78,29 @@ def test_secrets_inside_text_are_masked() -> None:
     assert event["exception"] == [{"exc_value": f"token {REDACTED} refused"}]
 
 
+SHORT = Redactor(["abc"])
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        ("fabcde", "fabcde"),
+        ("abcdef", "abcdef"),
+        ("x.abc and abc.y and abc-1 and key_abc", "x.abc and abc.y and abc-1 and key_abc"),
+        ("Authorization: Bearer abc", f"Authorization: Bearer {REDACTED}"),
+        ('{"token": "abc"}', f'{{"token": "{REDACTED}"}}'),
+        ("GET /v1/models?key=abc&x=1", f"GET /v1/models?key={REDACTED}&x=1"),
+        ("token abc.", f"token {REDACTED}."),
+        ("abc", REDACTED),
+    ],
+)
+def test_a_short_secret_is_masked_as_a_whole_value_only(text: str, masked: str) -> None:
+    """A short admin token (`abc`) is masked where it stands alone (a bearer token, a JSON
+    value, a query parameter, the end of a sentence), never inside a longer word, which it
+    would mangle."""
+    assert SHORT.mask(text) == masked
+
+
 def assert_nothing_leaked(output: str) -> None:
     lowered = output.lower()
     for marker in LEAK_MARKERS:

@@ -21,6 +21,7 @@ from proxy.runner import TetherServer
 from tether_fake_engine import AbortRoute
 
 from .support.in_process import TetherFactory
+from .support.metrics import metric
 from .support.net import free_port
 from .support.nginx import nginx_binary, nginx_in_front_of
 from .support.raw_http import RawClient, Reply, request_head
@@ -719,7 +720,8 @@ async def test_a_body_that_cannot_be_json_streams_through_untouched(
 ) -> None:
     """A multipart upload on a route where tether owns an ID field is not read whole: its
     first character says no engine can parse it as JSON, so it streams to the engine as it
-    arrives (chunked), byte for byte."""
+    arrives (chunked), byte for byte. (Its rest follows once tether has begun sending the
+    request: a body that arrived whole with its head goes on as it is, with its length.)"""
     fake, engine_url = await fake_engine()
     server = await tether(engine_url, engine=engine)
     body = b'--x\r\nContent-Disposition: form-data; name="file"\r\n\r\n' + b"R" * 70_000
@@ -734,9 +736,13 @@ async def test_a_body_that_cannot_be_json_streams_through_untouched(
             ],
         )
     )
-    for piece in (body[:100], body[100:]):
-        await client.send(b"%x\r\n%b\r\n" % (len(piece), piece))
-    await client.send(b"0\r\n\r\n")
+    await client.send(b"%x\r\n%b\r\n" % (100, body[:100]))
+    await poll_until(
+        lambda: any(state.upstream is not None for state in server.context.registry),
+        5,
+        what="tether to send the request on",
+    )
+    await client.send(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body) - 100, body[100:]))
     reply = await client.read_reply()
     client.close_fin()
 
@@ -744,3 +750,48 @@ async def test_a_body_that_cannot_be_json_streams_through_untouched(
     [seen] = fake.requests
     assert seen.body == body
     assert seen.headers["Transfer-Encoding"] == "chunked"
+
+
+# --- 7. request heads bounded as nginx bounds them ------------------------------------------------
+
+# Header lines of this size: within nginx's 8 KiB buffers and aiohttp's 16 KiB line limit, so
+# only the head's total decides.
+_PAD_LINE = 4080
+
+
+@pytest.mark.parametrize(("head_kib", "passes"), [(16, True), (40, False)])
+@pytest.mark.parametrize("via", VIAS)
+async def test_a_request_head_over_32_kib_never_reaches_the_engine(
+    scripted_engine: EngineFactory, front: FrontFactory, via: str, head_kib: int, passes: bool
+) -> None:
+    """A request head of 16 KiB passes; one of 40 KiB (in 4 KB lines) is refused, by nginx
+    past its 4 buffers of 8 KiB (400) and by tether past TETHER_MAX_REQUEST_HEAD, 32 KiB
+    (431 JSON, counted as rejected), with the connection closed and nothing sent to the
+    engine."""
+
+    def respond(request: SeenRequest) -> Response:
+        return [_served(request)] if request.complete else None
+
+    engine = await scripted_engine(respond)
+    proxy = await front(via, engine.port)
+    padding = [(f"X-Pad-{n}", "p" * _PAD_LINE) for n in range(head_kib * 1024 // _PAD_LINE)]
+    client = await RawClient.connect(proxy.port)
+    head = request_head("/v1/models", method="GET", headers=[("X-Client", "big"), *padding])
+    assert len(head) // 1024 == head_kib
+
+    await client.send(head)
+    reply = await client.read_reply()
+
+    seen = [r.headers.get("X-Client") for r in _client_requests(engine)]
+    if passes:
+        assert (reply.status, seen) == (200, ["big"])
+        return
+    assert seen == []
+    await client.expect_closed()
+    if proxy.tether is None:
+        assert reply.status == 400  # nginx: "Request Header Or Cookie Too Large"
+        return
+    assert reply.status == 431
+    assert reply.json()["error"]["code"] == "request_header_fields_too_large"
+    registry = proxy.tether.context.metrics.registry
+    assert metric(registry, "tether_request_outcomes_total", outcome="rejected") == 1

@@ -81,6 +81,14 @@ from .support.settings import make_settings
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_PORT": "9000", "TETHER_ADMIN_PORT": "9000"},
             "TETHER_ADMIN_PORT",
         ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_MAX_REQUEST_HEAD": "0"},
+            "TETHER_MAX_REQUEST_HEAD",
+        ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_MAX_STREAMED_UPLOADS": "0"},
+            "TETHER_MAX_STREAMED_UPLOADS",
+        ),
     ],
 )
 def test_bad_setting_exits_2_naming_the_variable(
@@ -104,7 +112,7 @@ def test_help_lists_every_variable_with_its_default(collected_log: CollectedLog)
 def test_defaults_match_the_documented_ones() -> None:
     """Unset variables take the documented defaults."""
     settings = make_settings(
-        port=8080, admin_port=9090, shutdown_grace=30, host="0.0.0.0", admin_host="0.0.0.0"
+        port=8080, admin_port=9090, shutdown_grace=30, host="0.0.0.0", admin_host="127.0.0.1"
     )
     assert (settings.port, settings.admin_port, settings.engine) == (8080, 9090, Engine.AUTO)
     assert settings.request_id_header == "X-Request-Id"

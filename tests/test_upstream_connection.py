@@ -23,7 +23,7 @@ from proxy.errors import (
 )
 from proxy.upstream_connection import ConnectionState, ResponseHead, UpstreamConnection
 from proxy.upstream_exchange import UpstreamExchange
-from proxy.upstream_pool import UpstreamPool
+from proxy.upstream_pool import UploadLimit, UpstreamPool
 
 
 class FakeTransport:
@@ -456,7 +456,13 @@ async def _send_and_wait_head(
 async def _run_steps(plan: list[Step], rng: random.Random) -> None:
     engine = Engine()
     pool = UpstreamPool(
-        "engine", 80, ssl_context=None, connect_timeout=1, idle_timeout=60, connector=engine.connect
+        "engine",
+        80,
+        ssl_context=None,
+        connect_timeout=1,
+        idle_timeout=60,
+        uploads=UploadLimit(len(plan)),
+        connector=engine.connect,
     )
     clean_before: dict[int, bool] = {}  # id(transport) → its last exchange left it clean
     for index, step in enumerate(plan):

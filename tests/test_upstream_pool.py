@@ -12,6 +12,7 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy.upstream import UpstreamClient
+from proxy.upstream_pool import UploadLimit
 
 from .support.chat import chat_body
 from .support.in_process import TetherFactory, drained, settled, url
@@ -103,7 +104,7 @@ async def test_idle_connections_are_closed_before_the_engines_keep_alive(
     next request opens a new one."""
     engine_url, served = await counting_engine()
     async with UpstreamClient.open(
-        settings(upstream_url=engine_url), keepalive_seconds=0.2
+        settings(upstream_url=engine_url), keepalive_seconds=0.2, uploads=UploadLimit(1)
     ) as upstream:
         await _post(upstream)
         await asyncio.sleep(0.5)  # idle for longer than the pool keeps connections

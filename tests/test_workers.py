@@ -5,9 +5,12 @@ none behind when it is killed itself."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import socket
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy import supervisor_runtime
 from proxy.cpus import cgroup_quota_cpus, usable_cpus
 from proxy.metrics import Metrics
 from tether_fake_engine import GenerationState
@@ -25,7 +29,7 @@ from .support.collected_log import CollectedLog
 from .support.metrics import metric_in_text
 from .support.net import free_port
 from .support.processes import TetherProcess, TetherProcessFactory, run_tether_cli
-from .support.raw_http import RawClient
+from .support.raw_http import RawClient, request_with_header_bytes
 from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
 
@@ -243,6 +247,31 @@ async def test_admin_calls_need_the_token_on_the_supervisor_too(
         assert response.status == 401
 
 
+async def test_a_token_that_is_not_utf8_gets_401_on_the_supervisor_too(
+    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory
+) -> None:
+    """An `Authorization` header that is not UTF-8 (the right token with a Latin-1 byte
+    after it) is a wrong token on the supervisor's admin port as well: 401 with the JSON
+    error, never a 500."""
+    _, engine_url = await fake_engine()
+    process = await tether_process(engine_url, **TWO_WORKERS)
+    for method, path, body in (
+        ("GET", "/admin/requests", b""),
+        ("POST", "/admin/abort", b'{"request_id": "x"}'),
+    ):
+        client = await RawClient.connect(process.admin_port)
+        authorization = f"Bearer {TOKEN}".encode() + b"\xe9"
+        await client.send(
+            request_with_header_bytes(path, "Authorization", authorization, method, body)
+        )
+
+        reply = await client.read_reply()
+
+        assert reply.status == 401, path
+        assert reply.json()["error"]["code"] == "invalid_admin_token"
+        client.close_fin()
+
+
 async def test_readiness_names_each_worker_that_is_not_ready(
     fake_engine: FakeEngineFactory,
     tether_process: TetherProcessFactory,
@@ -455,3 +484,72 @@ async def test_a_killed_supervisor_leaves_no_worker_running(
     assert await process.wait_exit(timeout=15) == -signal.SIGKILL
     await poll_until(lambda: not any(_alive(pid) for pid in pids), 5, what="the workers to exit")
     assert len([e for e in process.events("shutdown_finished") if "worker" in e]) == 2
+
+
+@pytest.fixture
+def short_tmpdir() -> Iterator[Path]:
+    """A temporary directory for tethers' TMPDIR, short enough for the workers' socket paths
+    (108 bytes at most) where pytest's own would not be."""
+    with tempfile.TemporaryDirectory(prefix="tether-test-") as path:
+        yield Path(path)
+
+
+def _runtime_directories(parent: Path) -> set[Path]:
+    return set(parent.glob(f"{supervisor_runtime.PREFIX}*"))
+
+
+async def test_a_killed_supervisors_directory_is_removed_by_the_next_one(
+    fake_engine: FakeEngineFactory, short_tmpdir: Path, tether_process: TetherProcessFactory
+) -> None:
+    """SIGKILL leaves the supervisor's runtime directory behind; the next supervisor to start
+    removes it, and leaves the one of a supervisor that still runs."""
+    _, engine_url = await fake_engine()
+    env = {**TWO_WORKERS, "TMPDIR": str(short_tmpdir)}
+    await tether_process(engine_url, **env)
+    [live] = _runtime_directories(short_tmpdir)
+    killed = await tether_process(engine_url, **env)
+    [left_behind] = _runtime_directories(short_tmpdir) - {live}
+    killed.send_signal(signal.SIGKILL)
+    assert await killed.wait_exit(timeout=15) == -signal.SIGKILL
+    assert left_behind.exists()
+
+    await tether_process(engine_url, **env)
+
+    assert live in _runtime_directories(short_tmpdir)
+    assert left_behind not in _runtime_directories(short_tmpdir)
+    assert len(_runtime_directories(short_tmpdir)) == 2
+
+
+def _make_runtime_directory(parent: Path, name: str, *, lock: bool = True) -> Path:
+    path = parent / f"{supervisor_runtime.PREFIX}{name}"
+    path.mkdir(mode=0o700)
+    (path / "worker-0.sock").touch()
+    if lock:
+        (path / supervisor_runtime.LOCK_NAME).touch()
+    return path
+
+
+def test_only_this_users_unlocked_directories_are_removed(short_tmpdir: Path) -> None:
+    """A sweep removes a directory whose lock nobody holds, and leaves one whose lock is held
+    (a live supervisor), one without a lock (being made, or an older tether's), another
+    user's and anything not named like a runtime directory."""
+    stale = _make_runtime_directory(short_tmpdir, "stale")
+    live = _make_runtime_directory(short_tmpdir, "live")
+    unlocked_yet = _make_runtime_directory(short_tmpdir, "new", lock=False)
+    unrelated = short_tmpdir / "something-else"
+    unrelated.mkdir()
+    others = None
+    if os.getuid() == 0:  # only root can give a directory to another user
+        others = _make_runtime_directory(short_tmpdir, "others")
+        os.chown(others, 4242, 4242)
+        os.chown(others / supervisor_runtime.LOCK_NAME, 4242, 4242)
+    held = os.open(live / supervisor_runtime.LOCK_NAME, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        supervisor_runtime.remove_stale(str(short_tmpdir))
+    finally:
+        os.close(held)
+
+    assert not stale.exists()
+    assert live.exists() and unlocked_yet.exists() and unrelated.exists()
+    assert others is None or others.exists()

@@ -53,6 +53,17 @@ def request_head(
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
+def request_with_header_bytes(
+    path: str, name: str, value: bytes, method: str = "POST", body: bytes = b""
+) -> bytes:
+    """A whole request whose header `name` carries exactly `value` (bytes that are not UTF-8
+    too), with a `Content-Length` for `body`."""
+    head = request_head(
+        path, method=method, headers=[(name, "VALUE"), ("Content-Length", str(len(body)))]
+    )
+    return head.replace(b": VALUE\r\n", b": " + value + b"\r\n", 1) + body
+
+
 def parse_head(head: bytes) -> tuple[str, int, CIMultiDict[str]]:
     """A response head (without its blank line): version, status, headers."""
     status_line, *lines = head.decode("latin-1").split("\r\n")
