@@ -26,7 +26,8 @@ from ..support.real_engine.tether import start_tether as start_any_tether
 from .server_log import ServerLog
 
 LLAMACPP_READY_TIMEOUT = 60.0
-# Tokens of context each slot gets: a 6,000-token prompt and a long answer fit.
+# Tokens of context each slot gets: a 3,000-token prompt and the longest answer a test
+# asks for (12,000 tokens) fit.
 SLOT_CONTEXT = 16384
 # HTTP threads: more than the suite ever holds open at once (two occupants, the measured
 # client, tether's health checks), so that no request waits unseen in the accept queue
@@ -39,18 +40,16 @@ BATCH = 2048
 
 @dataclass(frozen=True)
 class LlamacppInstall:
-    """Where tests/engines/llamacpp.sh put llama-server, and the tiny model written for this
-    run by tests/engines/tiny_gguf.py."""
+    """Where tests/engines/llamacpp.sh put llama-server, and the tiny model
+    tests/engines/tiny_gguf.py wrote for this run."""
 
-    python: pathlib.Path
     server: pathlib.Path
-    version: str
     model: pathlib.Path
 
 
 def install_engine() -> LlamacppInstall:
     """Run the (idempotent, cached) setup script, then write the tiny GGUF (about a second)
-    into a directory of this run's."""
+    with the venv's python."""
     values = run_setup_script("llamacpp.sh")
     python = pathlib.Path(values["LLAMACPP_PYTHON"])
     # Beside the venv (its directory), written afresh and renamed into place: a run that
@@ -64,9 +63,7 @@ def install_engine() -> LlamacppInstall:
         timeout=120,
     )
     partial.replace(model)
-    return LlamacppInstall(
-        python, pathlib.Path(values["LLAMACPP_SERVER"]), values["LLAMACPP_VERSION"], model
-    )
+    return LlamacppInstall(pathlib.Path(values["LLAMACPP_SERVER"]), model)
 
 
 @dataclass(frozen=True)
@@ -145,16 +142,11 @@ def start_llamacpp(
     return LlamacppServer(config, port, process, ready)
 
 
-def start_tether(
-    llamacpp: LlamacppServer, log_path: pathlib.Path, settings: dict[str, str] | None = None
-) -> Tether:
+def start_tether(llamacpp: LlamacppServer, log_path: pathlib.Path) -> Tether:
     """tether in front of `llamacpp` as config/llamacpp.env runs it: `TETHER_ENGINE=none`
     (close the connection: llama-server has no abort call), readiness from `/health`."""
     return start_any_tether(
-        llamacpp.url,
-        log_path,
-        "none",
-        {"TETHER_UPSTREAM_HEALTH_PATH": "/health", **(settings or {})},
+        llamacpp.url, log_path, "none", {"TETHER_UPSTREAM_HEALTH_PATH": "/health"}
     )
 
 

@@ -10,8 +10,7 @@ hide the very behaviour measured. The events:
 - `cancelled`: the HTTP thread noticed its client had left (`srv stop: cancel task, id_task
   = T`), which also drops the task from the queue if it had not started;
 - `released`: the slot let the task go (`slot release: id S | task T | stop processing:
-  n_tokens = N`), after a cancel or at the end of the answer (then `eval time = ... / N
-  tokens` just before).
+  n_tokens = N`), after a cancel or at the end of the answer.
 
 A line's time is minutes.seconds.milliseconds.microseconds since llama-server's log started,
 on the system clock; `ServerLog.wall` turns it into `time.time()` seconds, from one
@@ -35,9 +34,6 @@ _STAMP = r"^(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) [IWED] "
 LAUNCHED = _STAMP + r"slot +launch_slot_: id +(\d+) \| task (\d+) \| processing task"
 CANCELLED = _STAMP + r"srv +stop: cancel task, id_task = (\d+)"
 RELEASED = _STAMP + r"slot +release: id +(\d+) \| task (\d+) \| stop processing: n_tokens = (\d+)"
-FINISHED = (
-    _STAMP + r"slot +print_timing: id +(\d+) \| task (\d+) \| +eval time = .* / +(\d+) tokens"
-)
 UNKNOWN_STREAM = _STAMP + r"srv +evict_and_ca.*: stop on unknown stream session, conv_id="
 # The calibration's round trip must be this short for the offset to be trusted (seconds).
 CALIBRATION_BOUND = 0.005
@@ -55,8 +51,7 @@ class TaskEvent:
     at: float
     task: int
     slot: int | None = None
-    # At release: the tokens in the slot (prompt and answer); at the end of an answer: the
-    # tokens generated.
+    # At release: the tokens in the slot (prompt and answer).
     tokens: int | None = None
 
 
@@ -88,19 +83,6 @@ class ServerLog:
             for m in self.log.find_since(mark, RELEASED)
         ]
 
-    def finished(self, mark: int) -> list[TaskEvent]:
-        """Tasks that ran to the end of their answer (their timings printed), with the tokens
-        they generated."""
-        return [
-            TaskEvent(_seconds(m), int(m.group(6)), int(m.group(5)), int(m.group(7)))
-            for m in self.log.find_since(mark, FINISHED)
-        ]
-
-    def wait_launched(self, mark: int, count: int = 1, timeout: float = 30.0) -> list[TaskEvent]:
-        """The first `count` tasks a slot took after `mark`, in order."""
-        self.log.wait_for(mark, "(?:" + LAUNCHED + r".*\n(?:.*\n)*?){" + str(count) + "}", timeout)
-        return self.launched(mark)[:count]
-
     def wait_released(self, mark: int, task: int, timeout: float) -> TaskEvent:
         """The release of `task`, once logged after `mark`."""
         pattern = _STAMP + rf"slot +release: id +\d+ \| task {task} \|"
@@ -115,11 +97,6 @@ class ServerLog:
             return all(event.task in released for event in self.launched(mark))
 
         wait_until(idle, timeout, "llama-server to release every task", interval=0.05)
-
-    def wait_cancelled(self, mark: int, timeout: float) -> TaskEvent:
-        """The first task cancelled after `mark`, once logged."""
-        self.log.wait_for(mark, CANCELLED, timeout)
-        return self.cancelled(mark)[0]
 
     def wall(self, event: TaskEvent) -> float:
         """The `time.time()` at which llama-server logged `event`."""
