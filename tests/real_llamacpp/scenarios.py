@@ -47,7 +47,8 @@ PREFILL_STOP_WITHIN = ITS_TIMER + 2 * 1.3 + 0.6
 # Seconds a measurement waits for llama-server to let go before it records "not stopped".
 WINDOW = 3.0
 # Other clients' answers the scenarios run beside (tokens), and about how long each takes at
-# most (seconds: 430 tokens a second measured for one stream alone, 170 for each of two).
+# most (seconds: measured at load average 4, 430 tokens a second for one stream, 170 for each
+# of two; about 1,700 for one on a quiet core).
 TOKENS_PER_SECOND = 100
 SHORT_STREAM = 300
 SHORT_STREAM_SECONDS = SHORT_STREAM / TOKENS_PER_SECOND
