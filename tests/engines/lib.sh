@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Helpers sourced by the setup scripts in this directory (vllm_cpu.sh, vllm_realtime.sh,
-# sglang_cpu.sh, aiperf.sh, tiny_model.sh). Not a script of its own.
+# sglang_cpu.sh, llamacpp.sh, aiperf.sh, tiny_model.sh). Not a script of its own.
 
 # log MESSAGE...: on stderr, prefixed with the running script's name.
 log() { printf '[%s] %s\n' "$(basename "$0")" "$*" >&2; }

@@ -1,0 +1,85 @@
+"""A client that leaves in the phases where llama-server notices by itself: through tether
+(`TETHER_ENGINE=none`: tether closes its connection to llama-server at once) llama-server
+lets the request go as soon as it would for the same raw client talking to it directly,
+which is measured beside it. The phases it does not notice are in test_known_gaps.py."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from ..support.real_engine.measurements import Measurements
+from .measurements import ALONE, VIA_TETHER
+from .processes import ONE_SLOT, TWO_SLOTS, Stack
+from .scenarios import (
+    CANCELLED,
+    NOTICED_WITHIN,
+    PREFILL_STOP_WITHIN,
+    Stop,
+    leave_generating,
+    leave_prefill,
+    leave_queued_behind_answer,
+    leave_stream,
+    record_stop,
+)
+
+RUNS = 5
+SEED = 30
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Where a request is when its client leaves, and how soon llama-server lets it go."""
+
+    name: str
+    config: str
+    leave: Callable[[Stack, str, str, random.Random], Stop]
+    # Seconds from the close, every run, both ways.
+    within: float
+    # Whether a slot ever takes the request (a queued one must never run).
+    runs: bool = True
+
+
+PHASES = (
+    # Each token is a write; the first write after the close fails.
+    Phase("streaming", TWO_SLOTS.name, leave_stream, 0.1),
+    # Noticed when its one-second wait for results times out (nothing else runs).
+    Phase("non-streaming, generating", TWO_SLOTS.name, leave_generating, NOTICED_WITHIN),
+    Phase(
+        "queued behind a non-streaming request",
+        ONE_SLOT.name,
+        leave_queued_behind_answer,
+        NOTICED_WITHIN,
+        runs=False,
+    ),
+    # Noticed at its one-second wait; the cancel takes effect once the prompt batch in
+    # progress (2,048 tokens) is done.
+    Phase("prefill (-b 2048)", TWO_SLOTS.name, leave_prefill, PREFILL_STOP_WITHIN),
+)
+
+
+@pytest.mark.parametrize(
+    ("stack", "phase"),
+    [(phase.config, phase) for phase in PHASES],
+    indirect=["stack"],
+    ids=[phase.name for phase in PHASES],
+)
+def test_client_leaving_stops_llamacpp_as_soon_as_alone(
+    stack: Stack, phase: Phase, measurements: Measurements
+) -> None:
+    """In this phase llama-server cancels the request of a client that left within the
+    phase's bound, through tether as straight to it, every run (a queued one never runs)."""
+    rng = random.Random(f"{SEED}-{phase.name}")
+    stops: dict[str, list[Stop]] = {ALONE: [], VIA_TETHER: []}
+    for run in range(RUNS):  # interleaved, so both see the same machine
+        for way in (VIA_TETHER, ALONE):
+            stop = phase.leave(stack, way, f"leaves-{run}", rng)
+            stops[way].append(stop)
+            record_stop(measurements, phase.name, way, stop)
+    for way, found in stops.items():
+        assert {stop.ending for stop in found} == {CANCELLED}, (way, found)
+        assert max(stop.seconds for stop in found) < phase.within, (way, found)
+        assert {stop.ran for stop in found} == {phase.runs}, (way, found)
