@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from . import __version__
-from .cli import abort_main
+from .server.cli import abort_main
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -43,10 +43,10 @@ def _serve_main(args: list[str]) -> int:
     import uvloop
     from pydantic import ValidationError
 
-    from .logging import configure_logging
+    from .observe.logging import configure_logging
+    from .observe.tracing import TracingUnavailableError
+    from .observe.tracing import check_available as check_tracing
     from .settings import Settings, describe_errors, describe_settings
-    from .tracing import TracingUnavailableError
-    from .tracing import check_available as check_tracing
 
     if args in (["--help"], ["-h"]):
         print(USAGE.format(settings=describe_settings()))
@@ -80,8 +80,8 @@ def _serve_main(args: list[str]) -> int:
 
 
 async def _run(settings: Settings) -> int:
-    from .cpus import worker_count
-    from .runner import serve
+    from .server.runner import serve
+    from .workers.cpus import worker_count
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -91,8 +91,8 @@ async def _run(settings: Settings) -> int:
     if count == 1:
         await serve(settings, stop)
         return 0
-    from .supervised import serve_workers
-    from .supervisor import StartupError
+    from .workers.serve import serve_workers
+    from .workers.supervisor import StartupError
 
     try:
         await serve_workers(settings, count, stop)

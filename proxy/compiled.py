@@ -28,16 +28,16 @@ from types import ModuleType
 # async generator, which mypyc does not compile) and `request_state.py` (compiled, its
 # dataclass fails at import on a field's annotation: `KeyError: 'object'` from mypyc 1.x).
 COMPILED_MODULES = (
-    "proxy.upstream_connection",
-    "proxy.upstream_exchange",
-    "proxy.relay",
-    "proxy.request_ids",
-    "proxy.tokens",
-    "proxy.usage_events",
-    "proxy.headers",
-    "proxy.accounting",
-    "proxy.registry",
-    "proxy.metrics",
+    "proxy.upstream.connection",
+    "proxy.upstream.exchange",
+    "proxy.upstream.relay",
+    "proxy.wire.ids",
+    "proxy.wire.tokens",
+    "proxy.wire.usage_events",
+    "proxy.wire.headers",
+    "proxy.request.accounting",
+    "proxy.request.registry",
+    "proxy.observe.metrics",
 )
 
 # "1" at run time: the pure-Python modules even where compiled ones are installed. (At build
@@ -52,7 +52,7 @@ def pure_forced() -> bool:
 
 class PureSourceFinder:
     """Finds a compiled module's `.py` source before the path finder finds its extension
-    module: first on `sys.meta_path`, it makes `import proxy.relay` run `relay.py`. (A
+    module: first on `sys.meta_path`, it makes `import proxy.upstream.relay` run `relay.py`. (A
     meta path finder by its `find_spec`; `importlib.abc` would add milliseconds to every
     `tether` start, `tether abort` included.)"""
 
@@ -81,15 +81,13 @@ def use_pure_modules() -> None:
 
 def _built() -> tuple[str, ...]:
     """The modules of `COMPILED_MODULES` with an extension module beside their source."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    # The directory holding the `proxy` package: each module's path is its dotted name.
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     suffixes = importlib.machinery.EXTENSION_SUFFIXES
     return tuple(
         name
         for name in COMPILED_MODULES
-        if any(
-            os.path.isfile(os.path.join(package, name.rpartition(".")[2] + suffix))
-            for suffix in suffixes
-        )
+        if any(os.path.isfile(os.path.join(top, *name.split(".")) + suffix) for suffix in suffixes)
     )
 
 

@@ -18,8 +18,8 @@ import structlog
 from aiohttp import web
 
 from proxy import compiled
-from proxy.logging import configure_logging
-from proxy.runner import TetherServer
+from proxy.observe.logging import configure_logging
+from proxy.server.runner import TetherServer
 from proxy.settings import LogFormat, LogLevel
 from tether_fake_engine import FakeEngine
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .support.canaries import CANARY_PROMPT, CANARY_SECRET

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .support.canaries import CANARY_PROMPT

@@ -17,7 +17,7 @@ from typing import Protocol
 import aiohttp
 import pytest
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 from tether_fake_engine import FakeEngine, Generation, GenerationState
 
 from .support.chat import chat_body, sse_ids

@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.request_state import Phase
-from proxy.runner import TetherServer
+from proxy.request.state import Phase
+from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .support.canaries import canary_bytes

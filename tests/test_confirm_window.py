@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from proxy.aborts import FrontEnd
+from proxy.aborts.tracker import FrontEnd
 from proxy.engines import ConfirmRule
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, Generation, GenerationState
 
 from .support.chat import chat_body

@@ -13,7 +13,7 @@ from proxy.engines import (
     public_routes,
     refused_control_routes,
 )
-from proxy.routes import is_allowed, is_blocked, normalised_path
+from proxy.wire.routes import is_allowed, is_blocked, normalised_path
 
 from .support.canaries import CANARY_PROMPT
 from .support.chat import chat_body

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 from tether_fake_engine import FakeEngine, GenerationState
 
 from .support.chat import chat_body

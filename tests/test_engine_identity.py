@@ -14,7 +14,7 @@ import pytest
 
 from proxy.engines import Engine
 from proxy.engines.identify import Identity, identify
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .support.chat import chat_body

@@ -13,7 +13,7 @@ import pytest
 import proxy
 from bench.engine import ID_RULES
 from proxy.engines import PROFILES, Engine, EngineProfile, engine_profile
-from proxy.metrics import route_label
+from proxy.observe.metrics import route_label
 
 from .support.settings import make_settings
 
@@ -175,8 +175,8 @@ def test_no_module_outside_the_engines_package_names_an_engine() -> None:
     engine (comments and prose may, as examples)."""
     root = Path(proxy.__file__).parent
     found = {
-        path.name: mentions
-        for path in sorted(root.glob("*.py"))
-        if (mentions := _engine_mentions(path.read_text()))
+        str(path.relative_to(root)): mentions
+        for path in sorted(root.rglob("*.py"))
+        if path.parent.name != "engines" and (mentions := _engine_mentions(path.read_text()))
     }
     assert found == {}

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 
 from .support.chat import chat_body
 from .support.in_process import TetherFactory, settled, url

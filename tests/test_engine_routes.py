@@ -13,7 +13,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.engines import Engine, engine_profile, route_table
-from proxy.tokens import TokenShape
+from proxy.wire.tokens import TokenShape
 
 from .support.canaries import CANARY_PROMPT
 from .support.in_process import TetherFactory, drained, settled, url

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from proxy.headers import (
+from proxy.wire.headers import (
     HOP_BY_HOP,
     client_response_headers,
     request_head,

@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.metrics import route_label
+from proxy.observe.metrics import route_label
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState, SeenRequest
 
 from .support.canaries import CANARY_PROMPT, canary_bytes

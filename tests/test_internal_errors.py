@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy import forward
-from proxy.relay import ResponseRelay
+from proxy.server import handler as forward
+from proxy.upstream.relay import ResponseRelay
 from tether_fake_engine import GenerationState
 
 from .support.canaries import CANARY_SECRET

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.logging import REDACTED, Redactor, render_json
+from proxy.observe.logging import REDACTED, Redactor, render_json
 from tether_fake_engine import AbortRoute
 
 from .support.canaries import CANARY_PROMPT, CANARY_SECRET, LEAK_MARKERS

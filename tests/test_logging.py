@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 
 import aiohttp
 
-from proxy.logging import LoopTurnLines
+from proxy.observe.logging import LoopTurnLines
 
 from .support.chat import chat_body
 from .support.processes import TetherProcessFactory

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import aiohttp
 import pytest
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute
 
 from .support.in_process import TetherFactory

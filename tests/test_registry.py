@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from proxy.engines import Engine, engine_profile
-from proxy.registry import Registry
-from proxy.request_state import RequestState
+from proxy.request.registry import Registry
+from proxy.request.state import RequestState
 
 from .support.settings import make_settings
 

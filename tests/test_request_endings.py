@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 
 from proxy import errors
-from proxy.aborts import AbortTracker
+from proxy.aborts.tracker import AbortTracker
 from proxy.engines import Engine, engine_profile
 from proxy.errors import ERROR_KINDS, TetherError, error_response
-from proxy.request_state import Outcome, RequestState
+from proxy.request.state import Outcome, RequestState
 from tether_fake_engine import GenerationState
 
 from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, settled

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.request_ids import (
+from proxy.wire.ids import (
     IdMapper,
     IdMinter,
     InvalidClientRequestId,

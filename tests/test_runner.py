@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from proxy.runner import listening_socket
+from proxy.server.runner import listening_socket
 
 
 async def test_accepted_connections_inherit_keepalive_and_nodelay() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.engines.sglang import GENERATE_TOKENS
-from proxy.tokens import TokenCounter, TokenShape
+from proxy.wire.tokens import TokenCounter, TokenShape
 
 ROLE = b'data: {"id":"chatcmpl-x","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
 

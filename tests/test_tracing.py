@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 
 from .support.chat import chat_body
 from .support.in_process import drained, settled, url

@@ -21,9 +21,9 @@ from proxy.errors import (
     UpstreamProtocolError,
     UpstreamUnavailableError,
 )
-from proxy.upstream_connection import ConnectionState, ResponseHead, UpstreamConnection
-from proxy.upstream_exchange import UpstreamExchange
-from proxy.upstream_pool import UploadLimit, UpstreamPool
+from proxy.upstream.connection import ConnectionState, ResponseHead, UpstreamConnection
+from proxy.upstream.exchange import UpstreamExchange
+from proxy.upstream.pool import UploadLimit, UpstreamPool
 
 
 class FakeTransport:

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from multidict import CIMultiDict
 
-from proxy.upstream import UpstreamClient
-from proxy.upstream_pool import UploadLimit
+from proxy.upstream.client import UpstreamClient
+from proxy.upstream.pool import UploadLimit
 
 from .support.chat import chat_body
 from .support.in_process import TetherFactory, drained, settled, url

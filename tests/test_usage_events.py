@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.usage_events import UsageEventFilter
+from proxy.wire.usage_events import UsageEventFilter
 
 FINGERPRINT = "fp_3b1c0032"
 

@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 import websockets
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 
 from .support.in_process import TetherFactory, admin_url, settled, url
 from .support.metrics import metric

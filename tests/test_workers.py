@@ -19,9 +19,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import supervisor_runtime
-from proxy.cpus import cgroup_quota_cpus, usable_cpus
-from proxy.metrics import Metrics
+from proxy.observe.metrics import Metrics
+from proxy.workers import runtime as supervisor_runtime
+from proxy.workers.cpus import cgroup_quota_cpus, usable_cpus
 from tether_fake_engine import GenerationState
 
 from .support.chat import chat_body

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ..routes import is_allowed
-from ..tokens import TokenShape
+from ..wire.routes import is_allowed
+from ..wire.tokens import TokenShape
 
 if TYPE_CHECKING:
     from ..settings import Settings

@@ -13,7 +13,7 @@ import json
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from ..tokens import TokenShape
+from ..wire.tokens import TokenShape
 from .base import (
     ABORT_ID_FIELD,
     ABORT_ID_NAME,

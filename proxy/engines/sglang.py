@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from ..tokens import TokenShape
+from ..wire.tokens import TokenShape
 from .base import (
     BELOW_UVICORN_KEEPALIVE,
     FASTAPI_JSON,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ..tokens import TokenShape
+from ..wire.tokens import TokenShape
 from .base import (
     BELOW_UVICORN_KEEPALIVE,
     FASTAPI_JSON,

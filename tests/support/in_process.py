@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from proxy.runner import TetherServer
+from proxy.server.runner import TetherServer
 
 from .chat import chat_body
 from .metrics import metric

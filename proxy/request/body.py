@@ -1,0 +1,272 @@
+"""The client's request body on its way to the engine: streamed through as it arrives, or read
+whole where tether must write its ID into the JSON (SGLang's `rid`, vLLM's body `request_id`,
+the Responses API's `request_id`). Either way a client that goes silent mid-body for
+TETHER_CLIENT_BODY_TIMEOUT seconds gets a 408, and `Expect: 100-continue` is answered only
+once tether's own checks have passed (tether's server has no router to answer it
+before).
+
+Whether a body is JSON is decided as the engine decides it (its profile's `json_rule`), by
+what the body is more than by its label. So on a route where tether owns an ID field, a body
+the engine takes as labelled JSON is read whole, and any other body is read whole too as
+soon as its first bytes say it could be a JSON object. Only a body that cannot be one (a
+multipart upload, audio, plain text) streams through untouched: no engine can read an ID
+out of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict, istr
+
+from ..engines import BodyField, JsonRule, Route
+from ..errors import ClientBodyTimeoutError, InvalidRequestBodyError, RequestBodyTooLargeError
+from ..upstream.exchange import RequestBody
+from ..wire.ids import InvalidJsonBody, JsonObject, RawJson
+
+_CONTENT_TYPE = istr("Content-Type")
+# A body that asks for a stream, as written (a spelling that hides it only loses usage).
+_ASKS_FOR_STREAM = re.compile(rb'"stream"\s*:\s*true')
+# What asking a stream's usage sets where the body has no stream_options (most bodies).
+_INCLUDE_USAGE = RawJson('{"include_usage":true}')
+_EXPECT = istr("Expect")
+
+
+@dataclass(frozen=True, slots=True)
+class BodyFacts:
+    """What tether learnt from a request's body on the way to the engine (`NOTHING_LEARNT`
+    for a body it did not read, or before it was sent)."""
+
+    # The client asked the engine to keep working after the connection closes (Responses
+    # API `"background": true`): such a request is never aborted on a disconnect.
+    background: bool = False
+    # How many prompts the list in the route's `fan_out` field holds; None: one prompt.
+    batch: int | None = None
+    # How many samples it asks for (`n`).
+    samples: int = 1
+    # tether asked the engine for the stream's usage, which the client did not ask for: the
+    # usage event is taken out of what the client gets.
+    usage_asked: bool = False
+    # The body's `model`, where tether read the body.
+    model: str | None = None
+    # The ID the client named the request by in the body (vLLM's `request_id`, SGLang's
+    # `rid`), which the engine would have written into its answer.
+    client_id: str | None = None
+
+
+NOTHING_LEARNT = BodyFacts()
+
+
+@dataclass(slots=True)
+class OutgoingBody:
+    """What goes to the engine, and what tether learnt from the body on the way."""
+
+    body: RequestBody
+    facts: BodyFacts = NOTHING_LEARNT
+
+    @property
+    def streamed(self) -> bool:
+        return self.body is not None and not isinstance(self.body, bytes)
+
+
+async def outgoing_body(
+    request: web.BaseRequest,
+    forwarded: CIMultiDict[str],
+    route: Route | None,
+    internal_request_id: str,
+    *,
+    max_json_body: int,
+    body_timeout: float,
+    ask_for_usage: bool,
+    json_rule: JsonRule,
+    keep_client_id: bool = False,
+) -> OutgoingBody:
+    """The body to send upstream for `request` on `route`; `forwarded` are the headers the
+    engine will get (its Content-Type, not one a `Connection` token removed), and
+    `json_rule` says which bodies it parses as JSON. With
+    `ask_for_usage`, a stream on a route that reports usage when asked is asked to; with
+    `keep_client_id`, an ID the client named in the body goes to the engine unchanged."""
+    if not request.body_exists:
+        return OutgoingBody(None)
+    fields = route.body_fields if route is not None else ()
+    id_field = route.client_id_field if route is not None else None
+    usage = ask_for_usage and route is not None and route.reports_usage_when_asked
+    # Read whole where tether writes its ID in or reads the client's, or must learn from the
+    # body which engine requests it makes (a batch, n > 1) even when the ID goes in a header.
+    must_read = route is not None and bool(
+        fields or id_field or route.fan_out or route.samples_unnamed or usage
+    )
+    if not must_read:
+        await _send_continue_if_asked(request)
+        return OutgoingBody(_passed_through(request, body_timeout))
+    labelled_json = json_rule.labelled(forwarded.getall(_CONTENT_TYPE, ()))
+    if labelled_json:
+        _check_declared_length(request, max_json_body)
+    await _send_continue_if_asked(request)
+    start = b""
+    if not labelled_json:
+        start = await _read_start(request, body_timeout, json_rule)
+        if not json_rule.could_be_object(start):
+            return OutgoingBody(_passed_through(request, body_timeout, start))
+        _check_declared_length(request, max_json_body)
+    body = start + await _read_whole(request, max_json_body - len(start), body_timeout)
+    assert route is not None
+    maybe = [field for field in fields if field.always or _mentions(body, field)]
+    names_id = id_field is not None and _mentions(body, id_field)
+    # Not parsed only to learn that a request does not stream (most non-streaming ones).
+    usage = usage and _ASKS_FOR_STREAM.search(body) is not None
+    if not (
+        maybe
+        or names_id
+        or usage
+        or route.may_run_in_background
+        or route.fan_out
+        or route.samples_unnamed
+    ):
+        return OutgoingBody(body)
+    try:
+        document = JsonObject(body)
+    except InvalidJsonBody as exc:
+        if not labelled_json:
+            return OutgoingBody(body)  # not JSON after all: nothing for an engine to read
+        raise InvalidRequestBodyError(str(exc)) from None
+    n = document.get("n")
+    model = document.get("model")
+    client_id = _named_id(document, id_field.name) if names_id and id_field else None
+    kept = id_field if keep_client_id and client_id is not None else None
+    values: dict[str, Any] = {
+        field.name: field.value.format(id=internal_request_id)
+        for field in maybe
+        if (field.always or _holds(document, field.name)) and field is not kept
+    }
+    if usage and document.get("stream") is True:
+        options = document.get("stream_options")
+        if options is None:
+            values["stream_options"] = _INCLUDE_USAGE
+        elif not (isinstance(options, dict) and options.get("include_usage") is True):
+            merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            if merged.get("continuous_usage_stats"):
+                # Only in effect with include_usage: unasked, it would put usage in every
+                # chunk, where the client (straight to the engine) gets none.
+                merged["continuous_usage_stats"] = False
+            values["stream_options"] = merged
+    facts = BodyFacts(
+        background=route.may_run_in_background and document.get("background") is True,
+        batch=route.batch(document),
+        samples=n if isinstance(n, int) and n > 1 else 1,
+        usage_asked="stream_options" in values,
+        model=model if isinstance(model, str) else None,
+        client_id=client_id,
+    )
+    return OutgoingBody(document.with_members(values) if values else body, facts)
+
+
+def _check_declared_length(request: web.BaseRequest, limit: int) -> None:
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestBodyTooLargeError(
+            f"the JSON body is {request.content_length} bytes; the limit is {limit} "
+            "(TETHER_MAX_JSON_BODY)"
+        )
+
+
+def _holds(document: JsonObject, name: str) -> bool:
+    """Whether the body has the field `name` (dotted for a field inside an object field)."""
+    outer, _, inner = name.partition(".")
+    if not inner:
+        return name in document
+    value = document.get(outer)
+    return isinstance(value, dict) and inner in value
+
+
+def _named_id(document: JsonObject, name: str) -> str | None:
+    """The non-empty string at field `name` (dotted for a field inside an object field)."""
+    outer, _, inner = name.partition(".")
+    value = document.get(outer)
+    if inner:
+        value = value.get(inner) if isinstance(value, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def _passed_through(request: web.BaseRequest, timeout: float, start: bytes = b"") -> RequestBody:
+    """A body tether does not read into: as it is where it arrived whole (most small ones),
+    so that it never holds an engine connection waiting for the client (nor one of
+    TETHER_MAX_STREAMED_UPLOADS's places); else streamed as it arrives."""
+    content = request.content
+    if content.is_eof():
+        return start + content.read_nowait()
+    return stream_body(request, timeout, start)
+
+
+async def stream_body(
+    request: web.BaseRequest, timeout: float, start: bytes = b""
+) -> AsyncIterator[bytes]:
+    """The body as it arrives (after `start`, what was already read of it)."""
+    if start:
+        yield start
+    while chunk := await _read_chunk(request, timeout):
+        yield chunk
+
+
+async def _read_whole(request: web.BaseRequest, limit: int, timeout: float) -> bytes:
+    content = request.content
+    if content.is_eof():  # all of it arrived already (most requests): one read, no awaits
+        whole = content.read_nowait()
+        if len(whole) > limit:
+            raise _too_large(limit)
+        return whole
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await _read_chunk(request, timeout):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> RequestBodyTooLargeError:
+    return RequestBodyTooLargeError(f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)")
+
+
+async def _read_chunk(request: web.BaseRequest, timeout: float) -> bytes:
+    """The next piece of the client's body (b"" at its end), bounded by the body timeout."""
+    content = request.content
+    if content.is_eof():  # all of it arrived already (most requests): nothing to wait for
+        return await content.readany()
+    try:
+        async with asyncio.timeout(timeout):
+            return await content.readany()
+    except TimeoutError:
+        raise ClientBodyTimeoutError(
+            f"the client sent no body data for TETHER_CLIENT_BODY_TIMEOUT={timeout}s"
+        ) from None
+
+
+def _mentions(body: bytes, field: BodyField) -> bool:
+    """Whether the body may hold the field: its name as written, or a body that could spell
+    it otherwise (`\\u` escapes in a name, a UTF-16 or UTF-32 body): then it is parsed."""
+    return field.quoted_name in body or b"\\u" in body or b"\x00" in body
+
+
+async def _send_continue_if_asked(request: web.BaseRequest) -> None:
+    expect = request.headers.get(_EXPECT)
+    if expect is not None and expect.lower() == "100-continue" and request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+async def _read_start(request: web.BaseRequest, timeout: float, json_rule: JsonRule) -> bytes:
+    """The body's first bytes: enough to tell whether it could be a JSON object."""
+    start = b""
+    while (
+        len(start) < json_rule.sniff_bytes and json_rule.could_be_object(start, final=False) is None
+    ):
+        chunk = await _read_chunk(request, timeout)
+        if not chunk:
+            break
+        start += chunk
+    return start

@@ -1,0 +1,122 @@
+"""One request as tether serves it: the one record its handler, the registry, the abort
+tracker and the accounting read, from the moment it is registered to its last report."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from .body import NOTHING_LEARNT, BodyFacts
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from ..aborts.tracker import StopRequest
+    from ..engines import EngineProfile, Route
+    from ..errors import TetherError
+    from ..observe.tracing import RequestSpan
+    from ..upstream.exchange import UpstreamExchange
+    from ..upstream.relay import ResponseRelay
+    from .websocket import ClientFrames
+
+
+class Phase(StrEnum):
+    """Where a request is in its life; also the `phase` label of disconnect metrics."""
+
+    BODY = "body"  # reading the client's body (and sending it upstream)
+    WAITING = "waiting"  # body sent, waiting for the engine's response (queued, prefill)
+    STREAMING = "streaming"  # relaying the response to the client
+
+
+class Outcome(StrEnum):
+    """How a request ended; used as-is in logs and metric labels."""
+
+    COMPLETED = "completed"
+    REJECTED = "rejected"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    ADMIN_ABORTED = "admin_aborted"
+    SHUTDOWN_ABORTED = "shutdown_aborted"
+    TIMED_OUT = "timed_out"
+    UPSTREAM_FAILED = "upstream_failed"
+    INTERNAL_ERROR = "internal_error"
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How the handler decided a request ended: what the accounting reports."""
+
+    outcome: Outcome
+    status: int  # as the client saw it (499: it left first)
+    error: TetherError | None = None
+    exc: BaseException | None = None  # a bug's exception: its traceback goes in the log
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """One in-flight request. Times are `time.monotonic()` readings, as everywhere in tether."""
+
+    client_request_id: str
+    internal_request_id: str
+    method: str
+    path: str
+    route_label: str  # the path as a metric label
+    route: Route | None  # its engine route; None: read-only, outside the route table
+    # The engine profile it is served with from start to end (the one in force when it
+    # arrived: `engine_identity`).
+    engine: EngineProfile
+    task: asyncio.Task[object] | None = None
+    # The client connection it arrived on (for the drain: connections serving no request
+    # are closed at once).
+    connection: object = None
+    span: RequestSpan | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    phase: Phase = Phase.BODY
+    id_in_header: bool = False  # the client named the request in the request-ID header
+    websocket: bool = False  # it asks for a WebSocket session
+    body: BodyFacts = NOTHING_LEARNT  # what tether learnt from its body, once sent
+    # The client's ID as the engine would have written it into its answer, where that is
+    # not `client_request_id` (SGLang answers with a body `rid` over the header's).
+    echo_id: str | None = None
+    upstream: UpstreamExchange | None = None  # its exchange with the engine, once begun
+    relay: ResponseRelay | None = None  # where the engine's response goes, once it began
+    client_response: web.StreamResponse | None = None  # once its head was built
+    # The client's side of a WebSocket session, once the engine took it (the engine's side
+    # is `relay`).
+    tunnel: ClientFrames | None = None
+    stopping: StopRequest | None = None  # the abort tracker stops the engine's work for it
+    upstream_cancelled: bool = False  # tether stopped work the engine was doing for it
+    # Set when tether itself ends the request (`stop`).
+    stopped_by: Outcome | None = None
+    ending: Ending | None = None  # set once, by the handler
+
+    def stop(self, reason: Outcome) -> bool:
+        """End the request from outside its handler (an operator's abort, shutdown): exactly
+        as a client leaving would, reported as `reason`. False when it is already ending."""
+        if self.task is None or self.task.done():
+            return False
+        self.stopped_by = reason
+        self.task.cancel()
+        return True
+
+    @property
+    def upstream_contacted(self) -> bool:
+        return self.upstream is not None
+
+    @property
+    def bytes_out(self) -> int:
+        """Response body bytes that went to the client."""
+        return self.relay.bytes_out if self.relay is not None else 0
+
+    def as_json(self, now: float) -> dict[str, object]:
+        return {
+            "client_request_id": self.client_request_id,
+            "internal_request_id": self.internal_request_id,
+            "method": self.method,
+            "path": self.path,
+            "phase": self.phase.value,
+            "age_seconds": round(now - self.started_at, 3),
+            "bytes_out": self.bytes_out,
+        }

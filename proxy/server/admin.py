@@ -1,0 +1,188 @@
+"""The admin port: liveness, readiness, metrics, the in-flight list and abort by ID.
+
+Never served on the client port. The probes and `/metrics` are open (they name no request);
+everything that names or acts on requests needs `Authorization: Bearer $TETHER_ADMIN_TOKEN`:
+internal IDs are the engine's handles (a Responses API `resp_<id>` fetches or cancels a
+response), so listing them is as sensitive as aborting.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..errors import (
+    AdminDisabledError,
+    AdminError,
+    FleetNotConfiguredError,
+    InvalidAdminBodyError,
+    InvalidAdminTokenError,
+    error_response,
+)
+from ..request.state import Outcome
+from ..settings import Settings
+from .context import CONTEXT, ProxyContext
+from .fleet import Fleet, PeerResult
+
+log = structlog.get_logger("tether.admin")
+
+PROXY_APP = web.AppKey("tether_proxy_app", web.Application)
+_SCOPES = ("local", "fleet")
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_admin_app(proxy_app: web.Application) -> web.Application:
+    """The admin app reads the proxy app's context (created by the proxy app's cleanup)."""
+    app = web.Application()
+    app[PROXY_APP] = proxy_app
+    add_admin_routes(
+        app,
+        readyz=readyz,
+        metrics=metrics,
+        list_requests=list_requests,
+        abort_request=abort_request,
+    )
+    return app
+
+
+def add_admin_routes(
+    app: web.Application,
+    *,
+    readyz: _Handler,
+    metrics: _Handler,
+    list_requests: _Handler,
+    abort_request: _Handler,
+) -> None:
+    """The admin API's routes, one tether's or the supervisor's for its workers: the same
+    paths and methods, so an operator, a probe or `tether abort` cannot tell them apart."""
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/requests", list_requests)
+    app.router.add_post("/admin/abort", abort_request)
+
+
+def _context(request: web.Request) -> ProxyContext:
+    return request.app[PROXY_APP][CONTEXT]
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Liveness: the process serves."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Readiness: the engine's last health check passed and tether is not draining; with
+    which engine answers (and a configured one it contradicts)."""
+    ctx = _context(request)
+    problem = ctx.readiness.problem
+    engine = ctx.identity.describe()
+    if problem is None:
+        return web.json_response({"status": "ready", "engine": engine})
+    return web.json_response(
+        {"status": "not_ready", "reason": problem, "engine": engine}, status=503
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(_context(request).metrics.registry)
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
+
+
+async def list_requests(request: web.Request) -> web.Response:
+    """Every in-flight request: client and internal ID, method, path, phase, age, bytes."""
+    ctx = _context(request)
+    try:
+        check_authorised(request, ctx.settings)
+    except AdminError as error:
+        return error_response(error)
+    now = time.monotonic()
+    registry = ctx.registry
+    return web.json_response({"requests": [state.as_json(now) for state in registry]})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """Abort every in-flight request with this client ID (or this internal ID), here or, with
+    `"scope": "fleet"`, on every replica.
+
+    Each is ended exactly as on a client disconnect: its client connection is closed, the
+    engine's work stopped (abort call, or the dropped connection).
+    """
+    ctx = _context(request)
+    try:
+        check_authorised(request, ctx.settings)
+        request_id, scope = await abort_target(request)
+        if scope == "fleet" and not ctx.fleet.configured:
+            raise FleetNotConfiguredError()
+    except AdminError as error:
+        return error_response(error)
+    aborted = [
+        state.internal_request_id
+        for state in ctx.registry.find(request_id)
+        if state.stop(Outcome.ADMIN_ABORTED)
+    ]
+    peers = await ctx.fleet.abort(request_id) if scope == "fleet" else []
+    return abort_answer(request_id, scope, ctx.fleet, aborted, peers)
+
+
+def abort_answer(
+    request_id: str,
+    scope: str,
+    fleet: Fleet,
+    aborted: list[str],
+    peers: list[PeerResult],
+    **extra: object,
+) -> web.Response:
+    """The answer to an abort call, one tether's or the supervisor's for its workers (with
+    `extra` members: the workers that could not be asked), and its log line."""
+    answer: dict[str, object] = {
+        "request_id": request_id,
+        "scope": scope,
+        "replica": fleet.replica,
+        "instance": fleet.instance_id,
+        "aborted": aborted,
+        **extra,
+    }
+    fan_out: dict[str, object] = {}
+    if scope == "fleet":
+        answer["peers"] = [peer.as_json() for peer in peers]
+        answer["aborted_total"] = len(aborted) + sum(len(peer.aborted) for peer in peers)
+        fan_out = {
+            "aborted_total": answer["aborted_total"],
+            "unreachable": [peer.peer for peer in peers if peer.status != "ok"],
+        }
+    log.info("admin_abort", request_id=request_id, scope=scope, aborted=aborted, **fan_out, **extra)
+    return web.json_response(answer)
+
+
+async def abort_target(request: web.Request) -> tuple[str, str]:
+    """The request ID and scope an abort call names."""
+    try:
+        payload = await request.json()
+        request_id = payload["request_id"]
+        scope = payload.get("scope", "local")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise InvalidAdminBodyError() from None
+    if not isinstance(request_id, str) or not request_id or scope not in _SCOPES:
+        raise InvalidAdminBodyError()
+    return request_id, scope
+
+
+def check_authorised(request: web.Request, settings: Settings) -> None:
+    token = settings.admin_token
+    if token is None:
+        raise AdminDisabledError()
+    # aiohttp decodes header bytes that are not UTF-8 with `surrogateescape`: encoded the same
+    # way, any header gives back the bytes the client sent (a plain `encode()` raises on them),
+    # and bytes compare in constant time whatever they hold.
+    sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    expected = f"Bearer {token.get_secret_value()}".encode()
+    if not hmac.compare_digest(sent, expected):
+        raise InvalidAdminTokenError()

@@ -1,0 +1,101 @@
+"""`create_app(settings)`: app keys and cleanup contexts: everything that outlives a request.
+
+Requests themselves are served by a low-level aiohttp server (`runner.py`) with one handler
+for every path: a proxy has no routes to resolve, and skipping the router is a few percent of
+the CPU of every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, cast
+
+from aiohttp import web
+
+from ..aborts.tracker import AbortTracker
+from ..engines import KEEPALIVE_SECONDS
+from ..observe.metrics import Metrics
+from ..observe.tracing import Tracer
+from ..request.accounting import Accounting
+from ..request.registry import Registry
+from ..settings import RequestIdMode, Settings
+from ..upstream.client import UpstreamClient
+from ..upstream.pool import UploadLimit
+from ..wire.ids import IdMinter
+from .context import CONTEXT, ProxyContext, UsageAsking
+from .engine_identity import EngineIdentity
+from .fleet import Fleet
+from .health import Readiness
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+SETTINGS = web.AppKey("tether_settings", Settings)
+# Set by tests that read spans back (an in-memory exporter); production builds its provider
+# from the OTEL_* environment.
+TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
+
+
+# How long start-up waits for the engine to say what it is (an engine that is up answers in
+# milliseconds; one still starting is asked again once ready).
+_FIRST_ASK_SECONDS = 2.0
+
+
+def create_app(settings: Settings, tracer_provider: object | None = None) -> web.Application:
+    # Never served itself (runner.py serves requests): it holds the keys and lifetimes.
+    app = web.Application()
+    app[SETTINGS] = settings
+    if tracer_provider is not None:
+        app[TRACER_PROVIDER] = tracer_provider
+    app.cleanup_ctx.append(_proxy_context)
+    return app
+
+
+async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
+    """Everything that outlives a request, torn down in reverse: stops drained before the
+    client sessions they use are closed, and before the spans they end are flushed."""
+    settings = app[SETTINGS]
+    metrics = Metrics()
+    uploads = UploadLimit(settings.max_streamed_uploads, metrics.streamed_uploads)
+    provider = cast("TracerProvider | None", app.get(TRACER_PROVIDER))
+    with Tracer.open(settings, provider) as tracer:
+        async with (
+            UpstreamClient.open(
+                settings, keepalive_seconds=KEEPALIVE_SECONDS, uploads=uploads
+            ) as upstream,
+            Fleet.open(settings) as fleet,
+        ):
+            identity = EngineIdentity(settings, upstream, metrics)
+            # Asked before the first client is served, where the engine answers at once (it
+            # runs already); an engine still starting is asked once it is ready.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_FIRST_ASK_SECONDS):
+                    await identity.ask()
+            readiness = Readiness(
+                upstream, settings.health_interval, metrics, on_ready=identity.engine_ready
+            )
+            aborts = AbortTracker(settings, upstream, metrics)
+            app[CONTEXT] = ProxyContext(
+                settings=settings,
+                identity=identity,
+                upstream=upstream,
+                aborts=aborts,
+                registry=Registry(prefix_index=settings.request_id_mode is RequestIdMode.PRESERVE),
+                metrics=metrics,
+                accounting=Accounting(metrics, tracer),
+                readiness=readiness,
+                fleet=fleet,
+                ids=IdMinter(),
+                usage=UsageAsking(settings.ask_for_usage),
+            )
+            monitor = asyncio.create_task(readiness.run(), name="readiness")
+            try:
+                yield
+            finally:
+                monitor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await monitor
+                await identity.close()
+                await aborts.drain()

@@ -1,0 +1,110 @@
+"""Pure token accounting on response bytes: how many tokens a response carried. No I/O.
+
+Engines say how many tokens they generated only in `usage` (OpenAI, Anthropic and Responses
+APIs) or SGLang's `meta_info`, and in a stream only where the client asked for it. Where they
+say it, that number is used. Otherwise a stream is counted by its token-carrying events: with
+vLLM's and SGLang's default stream settings each such event carries one token while the engine's
+HTTP handler keeps up (byte-level tokens can make its text empty, which is why events are
+counted, not characters); both merge the tokens of several steps into one event when it falls
+behind, so then the count is a lower bound.
+
+Counting runs on every chunk tether relays, so it is a handful of `bytes.count` calls per
+chunk (C loops over a few hundred bytes) and no JSON parsing; the reported number is read once,
+at the end, from the last bytes of the response.
+"""
+
+from __future__ import annotations
+
+# Re-exported: callers name a route's shape and its counter from one module.
+from ..engines.token_shapes import TokenShape as TokenShape
+
+# The engine's own count, wherever it reports one: `usage.completion_tokens` (OpenAI),
+# `usage.output_tokens` (Anthropic, Responses), `meta_info.completion_tokens` (SGLang); the
+# last one in a response is its total. The closing quote right before the colon keeps
+# `completion_tokens_details` and escaped quotes inside generated text from matching.
+_COMPLETION_TOKENS = b'"completion_tokens":'
+_OUTPUT_TOKENS = b'"output_tokens":'
+# The prompt's: `usage.prompt_tokens` (OpenAI, SGLang's meta_info), `input_tokens`
+# (Anthropic's message_start, at a stream's start; Responses).
+_PROMPT_TOKENS = (b'"prompt_tokens":', b'"input_tokens":')
+_FINISH_REASONS = (b'"finish_reason":"', b'"stop_reason":"')
+
+
+class TokenCounter:
+    """Counts the tokens in one response's body, chunk by chunk, as it passes."""
+
+    __slots__ = ("_counted", "_excluded", "_first", "_last", "_previous", "_third", "events")
+
+    def __init__(self, shape: TokenShape) -> None:
+        self._counted = shape.counted
+        self._excluded = shape.excluded
+        # The last three chunks seen: the engine's count sits at the very end of a JSON
+        # answer and in the last events of a stream (usage, then `[DONE]`), which network
+        # reads deliver in whole events or more.
+        self._last = self._previous = self._third = b""
+        self._first: bytes | None = None  # where a stream's opening event says the prompt's
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> int:
+        """Count `chunk`; return how many token-carrying events it held."""
+        found = 0
+        for marker in self._counted:
+            found += chunk.count(marker)
+        if found:
+            for hint, markers in self._excluded:
+                if hint in chunk:
+                    for marker in markers:
+                        found -= chunk.count(marker)
+            self.events += found
+        if self._first is None:
+            self._first = chunk
+        self._third, self._previous, self._last = self._previous, self._last, chunk
+        return found
+
+    def reported(self) -> int | None:
+        """The engine's own token count from the last bytes seen, if it reported one."""
+        return _last_number(self._tail(), (_COMPLETION_TOKENS, _OUTPUT_TOKENS))
+
+    def reported_prompt(self) -> int | None:
+        """The prompt's tokens, as the engine reported them (at the end, or in a stream's
+        opening event), if it did."""
+        found = _last_number(self._tail(), _PROMPT_TOKENS)
+        if found is None and self._first is not None:
+            found = _last_number(self._first, _PROMPT_TOKENS)
+        return found
+
+    def finish_reasons(self) -> tuple[str, ...]:
+        """The finish reasons the response's last bytes name (`finish_reason`, Anthropic's
+        `stop_reason`), each once."""
+        tail = self._tail()
+        found: dict[str, None] = {}
+        for marker in _FINISH_REASONS:
+            at = tail.find(marker)
+            while at >= 0:
+                start = at + len(marker)
+                end = tail.find(b'"', start)
+                if end < 0 or end - start > 64:
+                    break
+                found[tail[start:end].decode("ascii", "replace")] = None
+                at = tail.find(marker, end)
+        return tuple(found)
+
+    def _tail(self) -> bytes:
+        return self._third + self._previous + self._last
+
+    def total(self) -> int:
+        """Tokens in the whole response: the engine's count where given, else the events."""
+        reported = self.reported()
+        return reported if reported is not None else self.events
+
+
+def _last_number(data: bytes, markers: tuple[bytes, ...]) -> int | None:
+    """The number after the last of `markers` in `data`, if any."""
+    at, marker = max((data.rfind(marker), marker) for marker in markers)
+    if at < 0:
+        return None
+    digits = data[at + len(marker) :].lstrip(b" ")
+    end = 0
+    while end < len(digits) and 48 <= digits[end] <= 57:
+        end += 1
+    return int(digits[:end]) if end else None

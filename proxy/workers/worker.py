@@ -1,0 +1,73 @@
+"""`python -m proxy.workers.worker`: one of the supervisor's workers, as `supervisor` starts it.
+
+A worker is tether as one process runs it (`runner.TetherServer`), seated by the supervisor:
+its share of the client port (SO_REUSEPORT, the port the supervisor resolved), its admin app
+on a private Unix socket, and its index on every log line. It stops gracefully on SIGTERM,
+and when its lifeline, a pipe only the supervisor writes to, reads end of file: the
+supervisor is gone (even SIGKILLed), and a worker must not outlive it. SIGINT is ignored: a
+Ctrl-C reaches the whole process group, and the supervisor alone decides (it sends SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from ..server.runner import TetherServer, WorkerSeat, settle_heap
+from ..settings import Settings, describe_errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    import prometheus_client
+    import uvloop
+
+    from ..observe.logging import configure_logging
+
+    parser = argparse.ArgumentParser(prog="python -m proxy.workers.worker")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--admin-socket", required=True)
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    try:
+        # The supervisor validated the same environment; this only fails if it changed.
+        settings = Settings()  # type: ignore[call-arg]  # fields come from the environment
+    except ValidationError as error:
+        print(f"tether worker {args.index}: invalid configuration:", file=sys.stderr)
+        for line in describe_errors(error):
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    configure_logging(
+        settings.log_format, settings.log_level, settings.secret_values(), worker=args.index
+    )
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    seat = WorkerSeat(args.index, args.port, args.admin_socket)
+    uvloop.run(_serve(settings, seat, args.lifeline_fd))
+    return 0
+
+
+async def _serve(settings: Settings, seat: WorkerSeat, lifeline_fd: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Readable only at end of file: the supervisor never writes to the pipe.
+    os.set_blocking(lifeline_fd, False)
+    loop.add_reader(lifeline_fd, stop.set)
+    server = TetherServer(settings, seat=seat)
+    await server.start()
+    settle_heap()
+    try:
+        await stop.wait()
+    finally:
+        loop.remove_reader(lifeline_fd)
+        await server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
