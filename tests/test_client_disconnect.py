@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.request.state import Phase
+from proxy.outcomes import Phase
 from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 

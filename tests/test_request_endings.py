@@ -15,7 +15,8 @@ from proxy import errors
 from proxy.aborts.tracker import AbortTracker
 from proxy.engines import Engine, engine_profile
 from proxy.errors import ERROR_KINDS, TetherError, error_response
-from proxy.request.state import Outcome, RequestState
+from proxy.outcomes import Outcome
+from proxy.request.state import RequestState
 from tether_fake_engine import GenerationState
 
 from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, settled

@@ -38,7 +38,7 @@ from .identify import Identity
 from .sglang import SglangSettings
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from .base import Settings
 
 __all__ = [
     "ABORT_ID_FIELD",
@@ -144,28 +144,28 @@ def with_public_routes() -> tuple[Engine, ...]:
 def check_settings(settings: Settings) -> None:
     """Raise ValueError, naming the variable to fix, where the settings do not fit their
     engine."""
-    PROFILES[settings.engine].check_settings(settings)
+    PROFILES[Engine(settings.engine)].check_settings(settings)
 
 
 def asks_engine(settings: Settings) -> bool:
     """Whether the profile follows what the engine says it is (TETHER_ENGINE=auto)."""
-    return settings.engine is Engine.AUTO
+    return settings.engine == Engine.AUTO
 
 
 def served_engine(settings: Settings, identity: Identity | None) -> Engine:
     """The engine whose profile requests are served with: the configured one; with auto, the
     one that answered (auto's own while none did)."""
     if not asks_engine(settings):
-        return settings.engine
+        return Engine(settings.engine)
     return Engine(identity.profile) if identity is not None else Engine.AUTO
 
 
 def contradiction(settings: Settings, identity: Identity | None) -> str | None:
     """What is wrong where a configured engine is not the one that answers (None: nothing)."""
-    if asks_engine(settings) or identity is None or identity.profile == settings.engine.value:
+    if asks_engine(settings) or identity is None or identity.profile == settings.engine:
         return None
     return (
-        f"TETHER_ENGINE={settings.engine.value}, but the engine says it is "
+        f"TETHER_ENGINE={settings.engine}, but the engine says it is "
         f"{identity.product} ({identity.evidence}): tether keeps the configured profile, "
         f"whose aborts and request IDs may not fit it; set TETHER_ENGINE={identity.profile} "
         "or auto"
@@ -175,7 +175,7 @@ def contradiction(settings: Settings, identity: Identity | None) -> str | None:
 def engine_profile(settings: Settings, engine: Engine | None = None) -> EngineProfile:
     """The profile of `engine` (default: the one the settings name), with the operator's
     lists applied."""
-    engine = settings.engine if engine is None else engine
+    engine = Engine(settings.engine) if engine is None else engine
     return PROFILES[engine](settings, engine, refused_control_routes())
 
 

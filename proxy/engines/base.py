@@ -13,13 +13,9 @@ import string
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
-from ..wire.routes import is_allowed
-from ..wire.tokens import TokenShape
-
-if TYPE_CHECKING:
-    from ..settings import Settings
+from .token_shapes import TokenShape
 
 # TETHER_ALLOWED_PATHS=public: the engine's own list of the routes its clients use.
 ALLOW_PUBLIC = "public"
@@ -38,6 +34,34 @@ _READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Methods a request may be sent again with (RFC 9110 §9.2.2, as aiohttp's client and nginx
 # decide), unless its route starts generation.
 _IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+
+
+class Settings(Protocol):
+    """The settings engines read (`proxy.settings.Settings` has them all): configuration
+    depends on what tether knows of engines, never the reverse."""
+
+    @property
+    def engine(self) -> str: ...  # the TETHER_ENGINE value (`proxy.engines.Engine`)
+    @property
+    def upstream_url(self) -> str: ...
+    @property
+    def abort_url(self) -> str | None: ...
+    @property
+    def abort_method(self) -> str: ...
+    @property
+    def abort_body(self) -> str | None: ...
+    @property
+    def blocked_paths(self) -> tuple[str, ...] | None: ...
+    @property
+    def allowed_paths(self) -> tuple[str, ...] | None: ...
+    @property
+    def sglang_rid_header(self) -> bool: ...
+
+
+def _under_any(path: str, routes: tuple[str, ...]) -> bool:
+    """Whether `path` is one of `routes` or lies below one (whole segments; both written as
+    the settings and the route tables write paths: lower case, no trailing slash)."""
+    return any(path == route or path.startswith(route + "/") for route in routes)
 
 
 def template_fields(template: str) -> set[str]:
@@ -261,7 +285,7 @@ def refuse_templated_abort_url(settings: Settings) -> None:
     if settings.abort_url is not None and ABORT_ID_NAME in template_fields(settings.abort_url):
         raise ValueError(
             f"TETHER_ABORT_URL may contain {ABORT_ID_FIELD} only when TETHER_ENGINE=generic "
-            f"({settings.engine.value}'s abort route names requests in its body)"
+            f"({settings.engine}'s abort route names requests in its body)"
         )
 
 
@@ -330,7 +354,7 @@ class EngineProfile(ABC):
         self.blocked_paths = settings.blocked_paths or tuple(
             path
             for path in default_blocked
-            if not is_allowed(path, self.public_routes)
+            if not _under_any(path, self.public_routes)
             and not any(name.startswith(path) for name in named)
         )
         self.allowed_paths: tuple[str, ...] | None = (

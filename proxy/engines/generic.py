@@ -13,7 +13,6 @@ import json
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from ..wire.tokens import TokenShape
 from .base import (
     ABORT_ID_FIELD,
     ABORT_ID_NAME,
@@ -27,9 +26,10 @@ from .base import (
     Route,
     template_fields,
 )
+from .token_shapes import TokenShape
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from .base import Settings
 
 
 class Profile(EngineProfile):

@@ -21,7 +21,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from .base import Settings
 
 
 class Profile(EngineProfile):

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 from pydantic_settings import BaseSettings
 
-from ..wire.tokens import TokenShape
 from .base import (
     BELOW_UVICORN_KEEPALIVE,
     FASTAPI_JSON,
@@ -35,9 +34,10 @@ from .base import (
     Route,
     refuse_templated_abort_url,
 )
+from .token_shapes import TokenShape
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from .base import Settings
 
 ABORT_PATH = "/abort_request"
 RID = BodyField("rid")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from ..wire.tokens import TokenShape
 from .base import (
     BELOW_UVICORN_KEEPALIVE,
     FASTAPI_JSON,
@@ -26,9 +25,10 @@ from .base import (
     Route,
     refuse_templated_abort_url,
 )
+from .token_shapes import TokenShape
 
 if TYPE_CHECKING:
-    from ..settings import Settings
+    from .base import Settings
 
 # Dev-mode/tokens-only route first, then the scale-out one; a default server has neither.
 ABORT_PATHS = ("/abort_requests", "/inference/v1/abort_requests")

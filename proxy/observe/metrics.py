@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 
 from ..engines import GENERATION_ROUTES, PROBE_ROUTES
-from ..request.state import Outcome
+from ..outcomes import Outcome
 
 # Routes known by name (every engine's generation routes, `proxy.engines`); anything else is
 # counted as "other" so label values stay bounded. The probes and scrapes routers send to the

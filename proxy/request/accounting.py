@@ -19,7 +19,8 @@ import structlog
 from ..errors import TetherError, UpstreamError
 from ..observe.metrics import Metrics, route_label
 from ..observe.tracing import Tracer
-from .state import Ending, Outcome, RequestState
+from ..outcomes import Outcome
+from .state import Ending, RequestState
 
 log = structlog.get_logger("tether.request")
 

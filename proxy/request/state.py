@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from ..outcomes import Outcome, Phase
 from .body import NOTHING_LEARNT, BodyFacts
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from ..aborts.tracker import StopRequest
     from ..engines import EngineProfile, Route
     from ..errors import TetherError
     from ..observe.tracing import RequestSpan
@@ -23,25 +23,14 @@ if TYPE_CHECKING:
     from .websocket import ClientFrames
 
 
-class Phase(StrEnum):
-    """Where a request is in its life; also the `phase` label of disconnect metrics."""
+class Stopping(Protocol):
+    """A stop of the engine's work for a request, as its report waits for it (the abort
+    tracker's `StopRequest`)."""
 
-    BODY = "body"  # reading the client's body (and sending it upstream)
-    WAITING = "waiting"  # body sent, waiting for the engine's response (queued, prefill)
-    STREAMING = "streaming"  # relaying the response to the client
-
-
-class Outcome(StrEnum):
-    """How a request ended; used as-is in logs and metric labels."""
-
-    COMPLETED = "completed"
-    REJECTED = "rejected"
-    CLIENT_DISCONNECTED = "client_disconnected"
-    ADMIN_ABORTED = "admin_aborted"
-    SHUTDOWN_ABORTED = "shutdown_aborted"
-    TIMED_OUT = "timed_out"
-    UPSTREAM_FAILED = "upstream_failed"
-    INTERNAL_ERROR = "internal_error"
+    stopped: bool  # the engine's work has stopped (or tether gave up on it)
+    tokens_after_disconnect: int | None  # once stopped
+    # Called once stopped, with the tokens the engine produced after the client left.
+    on_stopped: Callable[[int | None], None] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +75,7 @@ class RequestState:
     # The client's side of a WebSocket session, once the engine took it (the engine's side
     # is `relay`).
     tunnel: ClientFrames | None = None
-    stopping: StopRequest | None = None  # the abort tracker stops the engine's work for it
+    stopping: Stopping | None = None  # the abort tracker stops the engine's work for it
     upstream_cancelled: bool = False  # tether stopped work the engine was doing for it
     # Set when tether itself ends the request (`stop`).
     stopped_by: Outcome | None = None

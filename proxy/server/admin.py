@@ -24,7 +24,7 @@ from ..errors import (
     InvalidAdminTokenError,
     error_response,
 )
-from ..request.state import Outcome
+from ..outcomes import Outcome
 from ..settings import Settings
 from .context import CONTEXT, ProxyContext
 from .fleet import Fleet, PeerResult

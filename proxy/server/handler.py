@@ -48,8 +48,9 @@ from ..errors import (
 )
 from ..observe.logging import bind_request_ids
 from ..observe.metrics import route_label
+from ..outcomes import Outcome, Phase
 from ..request.body import outgoing_body
-from ..request.state import Ending, Outcome, Phase, RequestState
+from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, ClientFrames, websocket_asked
 from ..settings import RequestIdMode
 from ..upstream.connection import ResponseHead

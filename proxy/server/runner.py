@@ -16,7 +16,7 @@ import structlog
 from aiohttp import web
 
 from .. import compiled
-from ..request.state import Outcome
+from ..outcomes import Outcome
 from ..settings import Settings
 from .admin import create_admin_app
 from .app import create_app

@@ -1,0 +1,27 @@
+"""How a request ended and where it was when it did: the values logs and metric labels use
+as they are. A leaf: every layer names them, none needs more of a request to do so."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    """Where a request is in its life; also the `phase` label of disconnect metrics."""
+
+    BODY = "body"  # reading the client's body (and sending it upstream)
+    WAITING = "waiting"  # body sent, waiting for the engine's response (queued, prefill)
+    STREAMING = "streaming"  # relaying the response to the client
+
+
+class Outcome(StrEnum):
+    """How a request ended; used as-is in logs and metric labels."""
+
+    COMPLETED = "completed"
+    REJECTED = "rejected"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    ADMIN_ABORTED = "admin_aborted"
+    SHUTDOWN_ABORTED = "shutdown_aborted"
+    TIMED_OUT = "timed_out"
+    UPSTREAM_FAILED = "upstream_failed"
+    INTERNAL_ERROR = "internal_error"

@@ -1,0 +1,160 @@
+"""The package's layers, checked rather than only written: no import circle between modules
+(imports only a type checker sees included) and no arrow from a lower layer to a higher
+one. The layers are named once, here, top-down; docs/architecture.md shows this table."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import proxy
+
+ROOT = Path(proxy.__file__).parent
+
+# Top-down. A module may import from its own layer (without a circle) and from any below.
+LAYERS: tuple[tuple[str, str], ...] = (
+    ("proxy.__main__", "`tether`: read settings, configure logging, start one process or workers"),
+    ("proxy.workers", "TETHER_WORKERS > 1: the supervisor, its admin port, the workers"),
+    ("proxy.server", "one process: its servers, the request's life (handler), admin, readiness"),
+    ("proxy.aborts", "stopping the engine's work and proving it stopped"),
+    ("proxy.request", "one request's record, body, registry, accounting, WebSocket"),
+    ("proxy.upstream", "the engine connection: pool, HTTP/1.1 state machine, exchange, relay"),
+    ("proxy.wire", "pure: headers, paths, IDs, JSON members, token counting, usage events"),
+    ("proxy.observe", "metrics, logging, tracing"),
+    ("proxy.settings", "every TETHER_* setting"),
+    ("proxy.engines", "everything tether knows about each engine"),
+    ("proxy.errors", "the error hierarchy and the one status table"),
+    ("proxy.outcomes", "how a request ended and where it was: the labels of logs and metrics"),
+    ("proxy", "the package: its version; the pure-Python switch installed at import"),
+    ("proxy.compiled", "which modules are compiled, and the switch back to pure Python"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index of the layer `module` belongs to (its longest prefix in LAYERS)."""
+    best = max(
+        (name for name, _ in LAYERS if module == name or module.startswith(name + ".")),
+        key=len,
+    )
+    return [name for name, _ in LAYERS].index(best)
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path, root: Path = ROOT) -> Iterator[tuple[int, str]]:
+    """(line, module) for every module of the package at `root` that `path` imports, at run
+    time or only for the type checker."""
+    module = _module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def is_module(name: str) -> bool:
+        where = root.parent.joinpath(*name.split("."))
+        return where.with_suffix(".py").is_file() or (where / "__init__.py").is_file()
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "proxy":
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "proxy":
+                continue
+            for alias in node.names:
+                child = f"{target}.{alias.name}"
+                yield node.lineno, child if is_module(child) else target
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        graph[module] = {target for _, target in imports(path, root) if target != module}
+    return graph
+
+
+def upward_arrows(root: Path = ROOT) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        for line, target in imports(path, root):
+            if layer_of(target) < layer_of(module):
+                found.append(f"{module}:{line} imports {target}, a layer above it")
+    return found
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    """Dependencies point down the table: an arrow up (a type-only import included) fails."""
+    assert upward_arrows() == []
+
+
+def test_no_import_circle() -> None:
+    """No two modules import each other, directly or through others, type-only included."""
+    assert cycles(import_graph()) == []
+
+
+def test_every_module_has_a_layer() -> None:
+    """Each module of the package falls under one of the named layers."""
+    assert all(layer_of(module) >= 0 for module in import_graph())
+
+
+def test_the_checks_find_a_circle_and_an_arrow_up(tmp_path: Path) -> None:
+    """The checks see what they look for, in a package laid out like tether's: a circle
+    through a type-only import, and a lower layer importing a higher one."""
+    package = tmp_path / "proxy"
+    for directory in (package / "wire", package / "server"):
+        directory.mkdir(parents=True)
+        (directory / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "wire" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import b\n"
+    )
+    (package / "wire" / "b.py").write_text("from .a import x\nfrom ..server import c\n")
+    (package / "server" / "c.py").write_text("")
+    assert cycles(import_graph(package)) == [["proxy.wire.a", "proxy.wire.b"]]
+    assert upward_arrows(package) == ["proxy.wire.b:2 imports proxy.server.c, a layer above it"]
