@@ -1,5 +1,6 @@
-"""How a request ended and where it was when it did: the values logs and metric labels use
-as they are. A leaf: every layer names them, none needs more of a request to do so."""
+"""How a request ended, where it was when it did, and how stopping its engine work ended:
+the values logs and metric labels use as they are. A leaf: every layer names them, none
+needs more of a request to do so."""
 
 from __future__ import annotations
 
@@ -25,3 +26,14 @@ class Outcome(StrEnum):
     TIMED_OUT = "timed_out"
     UPSTREAM_FAILED = "upstream_failed"
     INTERNAL_ERROR = "internal_error"
+
+
+class AbortResult(StrEnum):
+    """How stopping the engine's work for a request ended; the `result` of abort metrics."""
+
+    CONFIRMED = "confirmed"  # the engine ended the response within the confirm window
+    UNCONFIRMED = "unconfirmed"  # the call was accepted, the response went on: dropped
+    DROPPED = "dropped"  # the call was accepted; dropped at once (a front end that misses)
+    NOT_SUPPORTED = "not_supported"  # the engine has no abort route: dropped
+    UNKNOWN_ROUTE = "unknown_route"  # tether cannot name the engine's ID here: dropped
+    FAILED = "failed"  # the call failed (deadline, errors, refused): dropped

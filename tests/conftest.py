@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from proxy import compiled
+from proxy.faults import Faults
 from proxy.observe.logging import configure_logging
 from proxy.server.runner import TetherServer
 from proxy.settings import LogFormat, LogLevel
@@ -143,8 +144,10 @@ async def tether() -> AsyncIterator[TetherFactory]:
     """tether on loopback, through the same runner `__main__` uses."""
     servers: list[TetherServer] = []
 
-    async def start(upstream_url: str, **overrides: Any) -> TetherServer:
-        server = TetherServer(make_settings(upstream_url=upstream_url, **overrides))
+    async def start(
+        upstream_url: str, *, faults: Faults | None = None, **overrides: Any
+    ) -> TetherServer:
+        server = TetherServer(make_settings(upstream_url=upstream_url, **overrides), faults=faults)
         await server.start()
         servers.append(server)
         return server

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.aborts.tracker import LOGGED_ENGINE_IDS
+from proxy.request.abort_report import LOGGED_ENGINE_IDS
 from tether_fake_engine import AbortRoute, GenerationState
 
 from .support.in_process import TetherFactory, drained, url

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from proxy.aborts.tracker import FrontEnd
+from proxy.aborts.front_end import FrontEnd
 from proxy.engines import ConfirmRule
 from proxy.server.runner import TetherServer
 from tether_fake_engine import AbortRoute, FakeEngine, Generation, GenerationState

@@ -10,20 +10,16 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.server import handler as forward
-from proxy.upstream.relay import ResponseRelay
+from proxy.faults import RESPONSE_HEAD, STREAM_END
 from tether_fake_engine import GenerationState
 
 from .support.canaries import CANARY_SECRET
 from .support.chat import chat_body
+from .support.faults import BugAt
 from .support.in_process import TetherFactory, drained, settled, url
 from .support.metrics import metric
 from .support.raw_http import RawClient
 from .support.upstreams import FakeEngineFactory
-
-
-class TetherBug(RuntimeError):
-    """Stands for any bug: raised from inside tether's request path."""
 
 
 def error_lines(output: str) -> list[dict[str, Any]]:
@@ -36,19 +32,12 @@ async def test_bug_before_the_response_started_is_a_500_json_and_one_error_line(
     tether: TetherFactory,
     http: aiohttp.ClientSession,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The client gets 500 `internal_error` (never aiohttp's plain-text page), the request is
     counted `internal_error`, the engine is aborted, and the one error line has the
     exception type and frames but no locals (here one holds a secret)."""
-
-    def broken(*args: object, **kwargs: object) -> None:
-        secret_in_a_local = CANARY_SECRET
-        raise TetherBug(f"a bug ({len(secret_in_a_local)})")
-
     engine, engine_url = await fake_engine(token_interval=0.01)
-    server = await tether(engine_url)
-    monkeypatch.setattr(forward, "client_response_headers", broken)
+    server = await tether(engine_url, faults=BugAt(RESPONSE_HEAD))
 
     async with http.post(
         url(server), json=chat_body(max_tokens=100_000), headers={"X-Request-Id": "bug-1"}
@@ -77,20 +66,11 @@ async def test_bug_after_the_response_started_cuts_the_stream(
     fake_engine: FakeEngineFactory,
     tether: TetherFactory,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Once the head went out the status cannot change: the stream is cut (no terminating
     chunk), the summary keeps its 200 and says `internal_error`."""
-
-    class BrokenRelay(ResponseRelay):
-        def finish(self) -> None:
-            raise TetherBug("a bug at the end of the stream")
-
     _, engine_url = await fake_engine(token_interval=0.01)
-    server = await tether(engine_url)
-    # A subclass the handler builds, not a patched method: compiled (mypyc), the relay's
-    # class takes no new attributes.
-    monkeypatch.setattr(forward, "ResponseRelay", BrokenRelay)
+    server = await tether(engine_url, faults=BugAt(STREAM_END))
     client = await RawClient.connect(server.port)
     await client.send_request(chat_body(max_tokens=3))
 

@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, str], ...] = (
     ("proxy.engines", "everything tether knows about each engine"),
     ("proxy.errors", "the error hierarchy and the one status table"),
     ("proxy.outcomes", "how a request ended and where it was: the labels of logs and metrics"),
+    ("proxy.faults", "the named points where a test may make tether fail"),
     ("proxy", "the package: its version; the pure-Python switch installed at import"),
     ("proxy.compiled", "which modules are compiled, and the switch back to pure Python"),
 )

@@ -12,13 +12,14 @@ import aiohttp
 import pytest
 
 from proxy import errors
-from proxy.aborts.tracker import AbortTracker
 from proxy.engines import Engine, engine_profile
 from proxy.errors import ERROR_KINDS, TetherError, error_response
+from proxy.faults import ABORT_CONFIRM
 from proxy.outcomes import Outcome
 from proxy.request.state import RequestState
 from tether_fake_engine import GenerationState
 
+from .support.faults import BugAt
 from .support.in_process import TetherFactory, admin_url, drained, leave_mid_stream, settled
 from .support.settings import make_settings
 from .support.upstreams import FakeEngineFactory
@@ -93,18 +94,12 @@ async def test_a_stop_that_crashes_still_reports_its_request(
     fake_engine: FakeEngineFactory,
     tether: TetherFactory,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bug in the abort tracker's confirm step is one `abort_crashed` error line, and the
     request it was stopping still gets its one `request_finished` line; the engine's work
     stops all the same (the call went out, the connection is dropped)."""
-
-    async def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("a bug while confirming")
-
-    monkeypatch.setattr(AbortTracker, "_wait_for_end", broken)
     engine, engine_url = await fake_engine(token_interval=0.01)
-    server = await tether(engine_url)
+    server = await tether(engine_url, faults=BugAt(ABORT_CONFIRM))
     await leave_mid_stream(server, headers={"X-Request-Id": "crash"})
     await settled(server)
     await drained(server)

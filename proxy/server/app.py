@@ -16,8 +16,10 @@ from aiohttp import web
 
 from ..aborts.tracker import AbortTracker
 from ..engines import KEEPALIVE_SECONDS
+from ..faults import Faults
 from ..observe.metrics import Metrics
 from ..observe.tracing import Tracer
+from ..request.abort_report import AbortReport
 from ..request.accounting import Accounting
 from ..request.registry import Registry
 from ..settings import RequestIdMode, Settings
@@ -36,6 +38,7 @@ SETTINGS = web.AppKey("tether_settings", Settings)
 # Set by tests that read spans back (an in-memory exporter); production builds its provider
 # from the OTEL_* environment.
 TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
+FAULTS = web.AppKey("tether_faults", Faults)
 
 
 # How long start-up waits for the engine to say what it is (an engine that is up answers in
@@ -43,12 +46,17 @@ TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
 _FIRST_ASK_SECONDS = 2.0
 
 
-def create_app(settings: Settings, tracer_provider: object | None = None) -> web.Application:
+def create_app(
+    settings: Settings, tracer_provider: object | None = None, faults: Faults | None = None
+) -> web.Application:
+    """`faults`: a test's own failures at named points (`proxy.faults`); None in production."""
     # Never served itself (runner.py serves requests): it holds the keys and lifetimes.
     app = web.Application()
     app[SETTINGS] = settings
     if tracer_provider is not None:
         app[TRACER_PROVIDER] = tracer_provider
+    if faults is not None:
+        app[FAULTS] = faults
     app.cleanup_ctx.append(_proxy_context)
     return app
 
@@ -76,7 +84,8 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
             readiness = Readiness(
                 upstream, settings.health_interval, metrics, on_ready=identity.engine_ready
             )
-            aborts = AbortTracker(settings, upstream, metrics)
+            faults = app.get(FAULTS)
+            aborts = AbortTracker(settings, upstream, AbortReport(metrics), faults)
             app[CONTEXT] = ProxyContext(
                 settings=settings,
                 identity=identity,
@@ -89,6 +98,7 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 fleet=fleet,
                 ids=IdMinter(),
                 usage=UsageAsking(settings.ask_for_usage),
+                faults=faults,
             )
             monitor = asyncio.create_task(readiness.run(), name="readiness")
             try:

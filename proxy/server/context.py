@@ -9,6 +9,7 @@ from aiohttp import web
 
 from ..aborts.tracker import AbortTracker
 from ..engines import EngineProfile
+from ..faults import Faults
 from ..observe.metrics import Metrics
 from ..request.accounting import Accounting
 from ..request.registry import Registry
@@ -57,6 +58,7 @@ class ProxyContext:
     fleet: Fleet
     ids: IdMinter
     usage: UsageAsking
+    faults: Faults | None  # a test's failures at named points; None in production
 
     @property
     def engine(self) -> EngineProfile:

@@ -16,6 +16,7 @@ import structlog
 from aiohttp import web
 
 from .. import compiled
+from ..faults import Faults
 from ..outcomes import Outcome
 from ..settings import Settings
 from .admin import create_admin_app
@@ -102,10 +103,11 @@ class TetherServer:
         settings: Settings,
         tracer_provider: object | None = None,
         seat: WorkerSeat | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.settings = settings
         self.seat = seat
-        self.app = create_app(settings, tracer_provider)
+        self.app = create_app(settings, tracer_provider, faults)
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner = web.AppRunner(
             create_admin_app(self.app), handle_signals=False, access_log=None

@@ -9,6 +9,7 @@ import json
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,6 +27,14 @@ from .pool import UploadLimit, UpstreamPool
 # What tether's own requests to the engine (aborts, health checks, identity probes) carry
 # as their User-Agent; clients' requests carry their own.
 USER_AGENT = f"tether/{__version__}"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlAnswer:
+    """The engine's answer to a control call: its status, or (None) why there was none."""
+
+    status: int | None
+    failure: str = ""
 
 
 class UpstreamClient:
@@ -144,20 +153,25 @@ class UpstreamClient:
             chunked=chunked,
         )
 
-    async def send_abort(self, call: AbortCall, timeout: float, *, fresh: bool = False) -> int:
-        """Send one abort call (on a new connection when `fresh`); return the engine's status.
-        Raises on transport errors."""
+    async def send_abort(
+        self, call: AbortCall, timeout: float, *, fresh: bool = False
+    ) -> ControlAnswer:
+        """Send one abort call (on a new connection when `fresh`): the engine's status, or
+        why none came (a transport error or the timeout, folded into the answer)."""
         session = self._fresh_session if fresh else self._control_session
-        async with session.request(
-            call.method,
-            call.url,
-            data=call.body,
-            headers=self._abort_headers if call.body is not None else None,
-            allow_redirects=False,
-            timeout=aiohttp.ClientTimeout(total=timeout),
-        ) as response:
-            await response.read()
-            return response.status
+        try:
+            async with session.request(
+                call.method,
+                call.url,
+                data=call.body,
+                headers=self._abort_headers if call.body is not None else None,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as response:
+                await response.read()
+                return ControlAnswer(response.status)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            return ControlAnswer(None, exc.__class__.__name__)
 
     async def probe(self, path: str) -> Any:
         """The JSON document the engine answers a GET of `path` with (200, at most

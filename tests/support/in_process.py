@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
+from proxy.faults import Faults
 from proxy.server.runner import TetherServer
 
 from .chat import chat_body
@@ -21,7 +22,9 @@ class TetherFactory(Protocol):
     """The `tether` fixture: tether in front of `upstream_url`, settings `overrides` on top of
     the test defaults (`tests.support.settings.make_settings`)."""
 
-    def __call__(self, upstream_url: str, **overrides: Any) -> Awaitable[TetherServer]: ...
+    def __call__(
+        self, upstream_url: str, *, faults: Faults | None = None, **overrides: Any
+    ) -> Awaitable[TetherServer]: ...
 
 
 def url(server: TetherServer, path: str = "/v1/chat/completions") -> str:

@@ -1,0 +1,243 @@
+"""Every answer a client gets, built here: the engine's response relayed (read whole and
+rewritten, streamed as it arrives, or a WebSocket session), an OpenAI-style error before the
+response started, a cut stream after. The one module that touches aiohttp's own writer.
+
+A write that fails means the client has left (`ClientGoneError`): the handler takes it as a
+disconnect."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import replace
+from typing import TypeVar
+
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_writer import StreamWriter
+from multidict import CIMultiDict, istr
+
+from ..errors import ClientGoneError, InvalidRequestIdError, TetherError, error_response
+from ..faults import RESPONSE_HEAD, STREAM_END
+from ..outcomes import Phase
+from ..request.state import Ending, RequestState
+from ..request.websocket import SWITCHING_HEADERS, ClientFrames
+from ..upstream.connection import ResponseHead
+from ..upstream.relay import ResponseRelay
+from ..wire.headers import client_response_headers
+from ..wire.ids import IdMapper, InvalidClientRequestId, check_client_request_id, json_escaped
+from ..wire.tokens import TokenCounter, TokenShape
+from ..wire.usage_events import UsageEventFilter
+from .context import ProxyContext
+
+_T = TypeVar("_T")
+
+_CONTENT_ENCODING = istr("Content-Encoding")
+_CONTENT_TYPE = istr("Content-Type")
+# Response bodies in which the internal ID is replaced by the client's.
+_MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
+# A JSON response with a Content-Length up to this size is read whole so that the rewritten
+# body goes out with an exact Content-Length; larger ones are streamed chunked.
+_MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
+
+
+async def relay_response(
+    request: web.BaseRequest, head: ResponseHead, state: RequestState, ctx: ProxyContext
+) -> web.StreamResponse:
+    """The engine's response to the client: its head, then its body as the engine sends it,
+    IDs mapped back and tokens counted on the way."""
+    assert state.upstream is not None
+    if head.status == 101:  # only ever accepted for a WebSocket handshake
+        return await _relay_websocket(request, head, state, ctx)
+    mapper = _id_mapper(head, state)
+    tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
+    sse = _is_sse(head)
+    usage = (
+        UsageEventFilter(restore_fingerprint=state.engine.usage_takes_fingerprint)
+        if state.body.usage_asked and sse
+        else None
+    )
+    state.relay = ResponseRelay(state.upstream, tokens, mapper, usage)
+    length = head.content_length
+    if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
+        return await _relay_whole(request, head, state, ctx)
+    return await _relay_stream(request, head, state, ctx, rewritten=mapper is not None, sse=sse)
+
+
+def _id_mapper(head: ResponseHead, state: RequestState) -> IdMapper | None:
+    """A mapper for JSON and SSE bodies; None for anything else, anything compressed, and
+    routes whose engine ID is the client's handle."""
+    if state.route is not None and not state.route.maps_id_back:
+        return None
+    if head.headers.get(_CONTENT_ENCODING, "identity").lower() != "identity":
+        return None
+    media_type = head.headers.get(_CONTENT_TYPE, "").partition(";")[0].strip().lower()
+    if media_type not in _MAPPED_TYPES and not media_type.endswith("+json"):
+        return None
+    echo_id = state.echo_id or state.client_request_id
+    if state.internal_request_id == echo_id:
+        return None  # preserve mode: the engine already used the client's ID
+    return IdMapper(state.internal_request_id, json_escaped(echo_id))
+
+
+async def _relay_whole(
+    request: web.BaseRequest, head: ResponseHead, state: RequestState, ctx: ProxyContext
+) -> web.StreamResponse:
+    """A JSON response of known length: read it, map the ID back, answer with its new length."""
+    assert state.upstream is not None and state.relay is not None
+    state.relay.to_buffer()
+    state.upstream.attach(state.relay)
+    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    body = state.relay.take_buffered()
+    response = web.Response(
+        status=head.status,
+        reason=head.reason,
+        headers=_client_headers(head, state, ctx, rewritten=True),
+        body=body,
+    )
+    if ctx.readiness.draining:
+        response.force_close()
+    state.client_response = response
+    # Written here rather than by aiohttp once the handler returns: the client has its answer
+    # before the request is reported (its log line, metrics and span cost a request's
+    # latency otherwise), and "completed" means it was written.
+    await _to_client(response.prepare(request))
+    await _to_client(response.write_eof())
+    return response
+
+
+async def _relay_stream(
+    request: web.BaseRequest,
+    head: ResponseHead,
+    state: RequestState,
+    ctx: ProxyContext,
+    *,
+    rewritten: bool,
+    sse: bool,
+) -> web.StreamResponse:
+    """Relay the body to the client as it arrives, from the upstream protocol straight into
+    the client's socket; this coroutine only waits for the end."""
+    assert state.upstream is not None and state.relay is not None
+    headers = _client_headers(head, state, ctx, rewritten=rewritten)
+    response = web.StreamResponse(status=head.status, reason=head.reason, headers=headers)
+    if ctx.readiness.draining:
+        response.force_close()
+    state.client_response = response
+    writer = await _to_client(response.prepare(request))
+    transport = request.transport
+    if writer is None or transport is None or transport.is_closing():
+        raise ClientGoneError("the client left before the response started")
+    state.relay.to_client(transport, writer, chunked=_is_chunked(writer), is_sse=sse)
+    state.phase = Phase.STREAMING
+    state.upstream.attach(state.relay)
+    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    if ctx.faults is not None:
+        ctx.faults.at(STREAM_END)
+    state.relay.finish()
+    if state.relay.engine_reports_usage:
+        ctx.usage.engine_reports_usage()
+    await _to_client(response.write_eof())
+    return response
+
+
+async def _relay_websocket(
+    request: web.BaseRequest, head: ResponseHead, state: RequestState, ctx: ProxyContext
+) -> web.StreamResponse:
+    """The engine accepted the WebSocket: its 101 goes to the client, then each connection
+    carries the other's bytes until one of them closes."""
+    assert state.upstream is not None
+    headers = _client_headers(head, state, ctx, rewritten=False)
+    headers.update(SWITCHING_HEADERS)
+    response = web.StreamResponse(status=101, reason=head.reason, headers=headers)
+    response.force_close()  # the connection ends with the session
+    state.client_response = response
+    writer = await _to_client(response.prepare(request))
+    transport = request.transport
+    if writer is None or transport is None or transport.is_closing():
+        raise ClientGoneError("the client left before the session started")
+    # The engine's bytes go to the client as any response body does, unframed and uncounted.
+    state.relay = relay = ResponseRelay(state.upstream, TokenCounter(TokenShape.NONE), None)
+    relay.to_client(transport, writer, chunked=False, is_sse=False)
+    state.tunnel = frames = ClientFrames(state.upstream, transport)
+    state.phase = Phase.STREAMING
+    ctx.accounting.websocket_opened()
+    try:
+        state.upstream.attach(relay)
+        # From here aiohttp hands the client's bytes to `frames` (those that came with the
+        # handshake first), as it would to its own WebSocket reader.
+        request.protocol.set_parser(frames)  # type: ignore[arg-type]
+        await state.upstream.wait_end()
+    finally:
+        ctx.accounting.websocket_closed()
+        frames.close()
+    transport.close()  # the engine closed the session: the client's side goes after its bytes
+    return response
+
+
+def _client_headers(
+    head: ResponseHead, state: RequestState, ctx: ProxyContext, *, rewritten: bool
+) -> CIMultiDict[str]:
+    if ctx.faults is not None:
+        ctx.faults.at(RESPONSE_HEAD)
+    return client_response_headers(
+        head.headers,
+        client_request_id_header=ctx.settings.request_id_header,
+        client_request_id=state.client_request_id,
+        body_rewritten=rewritten,
+    )
+
+
+def _is_sse(head: ResponseHead) -> bool:
+    return head.headers.get(_CONTENT_TYPE, "").startswith("text/event-stream")
+
+
+def _is_chunked(writer: AbstractStreamWriter) -> bool:
+    """Whether aiohttp framed this response as chunked (no Content-Length, HTTP/1.1): the relay
+    then frames each piece the same way, and aiohttp writes the last chunk at the end."""
+    return isinstance(writer, StreamWriter) and writer.chunked
+
+
+async def _to_client(write: Awaitable[_T]) -> _T:
+    """Await a write to the client; a failure means the client has left."""
+    try:
+        return await write
+    except ConnectionError as exc:
+        raise ClientGoneError(str(exc)) from exc
+
+
+def response_started(state: RequestState) -> web.StreamResponse | None:
+    """The client's response if its head already went out (its status can no longer change)."""
+    response = state.client_response
+    return response if response is not None and response.prepared else None
+
+
+def answer_failure(
+    request: web.BaseRequest, state: RequestState, ending: Ending, request_id_header: str
+) -> tuple[web.StreamResponse, Ending]:
+    """Before the response started: a JSON error. After: the stream is cut, so the client can
+    never take it for a complete one (the status it started with stands: the ending's)."""
+    assert ending.error is not None
+    sent = response_started(state)
+    if sent is not None:
+        # Closing the transport makes aiohttp's final `write_eof` fail instead of sending the
+        # last chunk; the bytes already written are still flushed.
+        if request.transport is not None:
+            request.transport.close()
+        return sent, replace(ending, status=sent.status)
+    return error_response(ending.error, request_id_header, state.client_request_id), ending
+
+
+def reject(request: web.BaseRequest, ctx: ProxyContext, error: TetherError) -> web.Response:
+    """Refused before anything was forwarded: counted as rejected, never seen by the engine.
+    The client's ID is echoed where it is one tether can echo safely."""
+    header = ctx.settings.request_id_header
+    bad_id = isinstance(error, InvalidRequestIdError)
+    echo = request.headers.get(header) if not bad_id else None
+    if echo is not None:
+        try:
+            echo = check_client_request_id(echo)
+        except InvalidClientRequestId:
+            echo = None
+    ctx.accounting.rejected(
+        request.method, request.path, request.headers, error, echo, path_is_safe=not bad_id
+    )
+    return error_response(error, header, echo)
