@@ -19,14 +19,13 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-# The data plane, every one of them on the path of each chunk or each request. Not compiled:
-# `forward.py`, a request's life (its cost is awaits on aiohttp's objects; and the tests
-# patch its module globals, which compiled code calls without looking them up), `aborts.py`
-# (the tests patch a method of its tracker: a compiled class takes no new attributes),
-# `token_shapes.py`, the data the token counter reads (mypyc's dataclasses take ClassVar
-# declarations for fields, mypyc/mypyc#1122), `request_body.py` (the streamed body is an
-# async generator, which mypyc does not compile) and `request_state.py` (compiled, its
-# dataclass fails at import on a field's annotation: `KeyError: 'object'` from mypyc 1.x).
+# The data plane, every one of them on the path of each chunk or each request: a request's
+# life and the stops of the engine's work included (tests reach them through `proxy.faults`,
+# never by patching, so they compile). Not compiled: `engines/token_shapes.py`, the data the
+# token counter reads (mypyc's dataclasses take ClassVar declarations for fields,
+# mypyc/mypyc#1122), `request/body.py` (the streamed body is an async generator, which mypyc
+# does not compile) and `request/state.py` (compiled, its dataclass fails at import on a
+# field's annotation: `KeyError: 'object'` from mypyc 1.x).
 COMPILED_MODULES = (
     "proxy.upstream.connection",
     "proxy.upstream.exchange",
@@ -38,6 +37,15 @@ COMPILED_MODULES = (
     "proxy.request.accounting",
     "proxy.request.registry",
     "proxy.observe.metrics",
+    "proxy.server.handler",
+    "proxy.server.respond",
+    "proxy.request.naming",
+    "proxy.request.abort_report",
+    "proxy.aborts.tracker",
+    "proxy.aborts.calls",
+    "proxy.aborts.queue",
+    "proxy.aborts.front_end",
+    "proxy.aborts.stop",
 )
 
 # "1" at run time: the pure-Python modules even where compiled ones are installed. (At build
