@@ -39,14 +39,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve_main(args: list[str]) -> int:
-    import prometheus_client
     import uvloop
-    from pydantic import ValidationError
 
-    from .observe.logging import configure_logging
-    from .observe.tracing import TracingUnavailableError
-    from .observe.tracing import check_available as check_tracing
-    from .settings import Settings, describe_errors, describe_settings
+    from .server.boot import boot
+    from .settings import describe_settings
 
     if args in (["--help"], ["-h"]):
         print(USAGE.format(settings=describe_settings()))
@@ -61,21 +57,9 @@ def _serve_main(args: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        settings = Settings()  # type: ignore[call-arg]  # fields come from the environment
-    except ValidationError as error:
-        print("tether: invalid configuration:", file=sys.stderr)
-        for line in describe_errors(error):
-            print(f"  {line}", file=sys.stderr)
+    settings = boot("tether")
+    if settings is None:
         return 2
-    try:
-        check_tracing(settings.tracing)
-    except TracingUnavailableError as error:
-        print(f"tether: invalid configuration:\n  {error}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level, settings.secret_values())
-    # `*_created` series double the exposition for no use in Prometheus queries.
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     return uvloop.run(_run(settings))
 
 

@@ -16,17 +16,13 @@ import os
 import signal
 import sys
 
-from pydantic import ValidationError
-
+from ..server.boot import boot
 from ..server.runner import TetherServer, WorkerSeat, settle_heap
-from ..settings import Settings, describe_errors
+from ..settings import Settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    import prometheus_client
     import uvloop
-
-    from ..observe.logging import configure_logging
 
     parser = argparse.ArgumentParser(prog="python -m proxy.workers.worker")
     parser.add_argument("--index", type=int, required=True)
@@ -34,18 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-socket", required=True)
     parser.add_argument("--lifeline-fd", type=int, required=True)
     args = parser.parse_args(argv)
-    try:
-        # The supervisor validated the same environment; this only fails if it changed.
-        settings = Settings()  # type: ignore[call-arg]  # fields come from the environment
-    except ValidationError as error:
-        print(f"tether worker {args.index}: invalid configuration:", file=sys.stderr)
-        for line in describe_errors(error):
-            print(f"  {line}", file=sys.stderr)
+    # The supervisor validated the same environment; this only fails if it changed.
+    settings = boot(f"tether worker {args.index}", worker=args.index)
+    if settings is None:
         return 2
-    configure_logging(
-        settings.log_format, settings.log_level, settings.secret_values(), worker=args.index
-    )
-    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     seat = WorkerSeat(args.index, args.port, args.admin_socket)
     uvloop.run(_serve(settings, seat, args.lifeline_fd))
     return 0
