@@ -32,6 +32,7 @@ COMPILED_MODULES = (
     "proxy.upstream_exchange",
     "proxy.relay",
     "proxy.request_ids",
+    "proxy.json_members",
     "proxy.tokens",
     "proxy.usage_events",
     "proxy.headers",

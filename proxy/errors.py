@@ -62,6 +62,10 @@ class RequestBodyTooLargeError(ClientRequestError):
     pass
 
 
+class RequestBodyTooComplexError(ClientRequestError):
+    """A JSON body of more strings, arrays and objects than tether walks to read it."""
+
+
 class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
     """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
 
@@ -207,6 +211,7 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
     DuplicateRequestIdError: ErrorKind(409, _INVALID, "duplicate_request_id", _INFO),
     InvalidRequestBodyError: ErrorKind(400, _INVALID, "invalid_request_body", _INFO),
     RequestBodyTooLargeError: ErrorKind(413, _INVALID, "request_body_too_large", _INFO),
+    RequestBodyTooComplexError: ErrorKind(413, _INVALID, "request_body_too_complex", _INFO),
     ClientBodyTimeoutError: ErrorKind(408, _TIMEOUT, "client_body_timeout", _INFO),
     BlockedRouteError: ErrorKind(403, _PERMISSION, "blocked_route", _INFO),
     RouteNotAllowedError: ErrorKind(403, _PERMISSION, "route_not_allowed", _INFO),

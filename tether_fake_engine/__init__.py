@@ -37,6 +37,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.engines import REQUEST_ID_HEADER, BodyField, Route, sglang, vllm
+from proxy.json_members import JsonObject
 
 
 class AbortRoute(StrEnum):
@@ -272,7 +273,7 @@ class FakeEngine:
         )
         payload: dict[str, Any] = json.loads(body) if body else {}
         knobs = payload.get("fake", {})
-        generation = self._new_generation(request, payload, knobs)
+        generation = self._new_generation(request, body, payload, knobs)
         generation.process = self.process_of(request)
         running = self.generations.get(generation.request_id)
         if (
@@ -301,7 +302,7 @@ class FakeEngine:
             raise
 
     def _new_generation(
-        self, request: web.Request, payload: dict[str, Any], knobs: dict[str, Any]
+        self, request: web.Request, body: bytes, payload: dict[str, Any], knobs: dict[str, Any]
     ) -> Generation:
         api = _ROUTES[request.path]
         route: Route | None
@@ -334,7 +335,8 @@ class FakeEngine:
             response_id = request_id
         else:
             # A batch (a list of prompts) runs as one engine request per prompt.
-            engine_ids = route.engine_request_ids(named, route.batch(payload))
+            batch = route.batch(JsonObject(body, route.fan_out)) if route.fan_out and body else None
+            engine_ids = route.engine_request_ids(named, batch)
             response_id = route.answer_id(named)
         return Generation(
             request_id=request_id,

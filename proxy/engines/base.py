@@ -13,11 +13,12 @@ import string
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from ..tokens import TokenShape
 
 if TYPE_CHECKING:
+    from ..json_members import JsonArray
     from ..settings import Settings
 
 # TETHER_ALLOWED_PATHS=public: the engine's own list of the routes its clients use.
@@ -70,9 +71,11 @@ class BodyField:
 
 
 class _Members(Protocol):
-    """A JSON body's top-level members, read by name (a dict, `request_ids.JsonObject`)."""
+    """A JSON body's top-level members, read by name (`json_members.JsonObject`)."""
 
-    def get(self, name: str, /) -> Any: ...
+    def kind(self, name: str, /) -> str | None: ...
+
+    def array(self, name: str, /) -> JsonArray | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +131,15 @@ class Route:
         return next((body for body in self.body_fields if body.value == "{id}"), None)
 
     def batch(self, body: _Members) -> int | None:
-        """How many prompts the first `fan_out` field present in `body` holds as a list (a
-        string or a list of token IDs is one prompt: None)."""
+        """How many prompts the first `fan_out` field present in `body` holds as a list,
+        counted without building it (a string or a list of token IDs is one prompt: None)."""
         for name in self.fan_out:
-            value = body.get(name)
-            if value is None:
+            if body.kind(name) in (None, "null"):
                 continue
-            if isinstance(value, list) and not (value and isinstance(value[0], int)):
-                return len(value)
-            return None
+            prompts = body.array(name)
+            if prompts is None or isinstance(prompts.first, int):  # token IDs: one prompt
+                return None
+            return prompts.length
         return None
 
     def engine_request_ids(
