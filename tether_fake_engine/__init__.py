@@ -217,7 +217,9 @@ class FakeEngine:
     # --- HTTP ---------------------------------------------------------------------------
 
     def _make_app(self) -> web.Application:
-        app = web.Application()
+        # Bodies of any size, as vLLM and SGLang take them (uvicorn and FastAPI set no limit),
+        # not aiohttp's 1 MiB.
+        app = web.Application(client_max_size=1 << 30)
         for path in _ROUTES:
             app.router.add_post(path, self._completions)
         app.router.add_get("/health", self._health)
