@@ -31,6 +31,7 @@ COMPILED_MODULES = (
     "proxy.upstream.exchange",
     "proxy.upstream.relay",
     "proxy.wire.ids",
+    "proxy.wire.json_members",
     "proxy.wire.tokens",
     "proxy.wire.usage_events",
     "proxy.wire.headers",

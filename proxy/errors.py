@@ -76,6 +76,10 @@ class RequestHeadTooLargeError(ClientRequestError):
     """The request line and headers together exceed TETHER_MAX_REQUEST_HEAD."""
 
 
+class RequestBodyTooComplexError(ClientRequestError):
+    """A JSON body of more strings, arrays and objects than tether walks to read it."""
+
+
 class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
     """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
 
@@ -233,6 +237,7 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
     RequestHeadTooLargeError: ErrorKind(
         431, _INVALID, "request_header_fields_too_large", _INFO, closes_connection=True
     ),
+    RequestBodyTooComplexError: ErrorKind(413, _INVALID, "request_body_too_complex", _INFO),
     ClientBodyTimeoutError: ErrorKind(408, _TIMEOUT, "client_body_timeout", _INFO),
     # The slots free as others' uploads end: a retry a second later, not a storm of them.
     TooManyUploadsError: ErrorKind(503, _UNAVAILABLE, "too_many_uploads", _INFO, retry_after=1),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import pathlib
 import socket
 import time
 import tracemalloc
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import pytest
 import structlog
 from aiohttp import web
@@ -27,6 +29,7 @@ from .support.chat import chat_body, sse_ids
 from .support.collected_log import IN_PROCESS, CollectedLog
 from .support.in_process import TetherFactory, drained, settled
 from .support.metrics import metric
+from .support.processes import EngineProcessFactory, TetherProcessFactory
 from .support.raw_http import RawClient, json_request, request_head
 from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
@@ -944,3 +947,111 @@ async def test_slow_reader_paces_the_engine_with_bounded_memory(
     assert metric(registry, "tether_aborts_total", engine="vllm", result="unknown_route") == 1
     assert metric(registry, "tether_client_disconnects_total", phase="streaming") == 1
     assert metric(registry, "tether_response_bytes_total") < total / 2
+
+
+# --- bodies built to cost: tether's memory and the others' wait stay bounded ------------------
+
+MIB = 2**20
+
+
+def _tiny_containers(unit: bytes, size: int) -> bytes:
+    """A chat request of about `size` bytes whose messages are copies of `unit` (`{}`, `[]`)."""
+    head, tail = b'{"model": "m", "max_tokens": 1, "messages": [', b"]}"
+    return head + b",".join([unit] * ((size - len(head) - len(tail)) // (len(unit) + 1))) + tail
+
+
+def _deep_nesting(size: int) -> bytes:
+    depth = (size - 40) // 2
+    return b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def _reset_peak_memory(pid: int) -> None:
+    pathlib.Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def _memory(pid: int, field: str) -> int:
+    """A process's resident memory (VmRSS), or its peak since the last reset (VmHWM)."""
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == field:
+            return int(value.split()[0]) * 1024
+    raise AssertionError(f"no {field} for process {pid}")
+
+
+async def _costly_body_answered(
+    http: aiohttp.ClientSession, tether_pid: int, url: str, port: int, body: bytes
+) -> tuple[int, int, float]:
+    """Send `body` while another client keeps asking: the status tether answered it with,
+    how far tether's resident memory rose above where it was, and the longest the other
+    client waited for an answer meanwhile."""
+    _reset_peak_memory(tether_pid)
+    before = _memory(tether_pid, "VmRSS")
+    sending = asyncio.Event()
+    done = asyncio.Event()
+    waits: list[float] = []
+
+    async def other_client() -> None:
+        # A request tether answers itself (an ID it cannot echo: 400), so that only tether's
+        # time counts, not the engine's parsing of a body tether let through.
+        unusable_id = {"X-Request-Id": "x" * 300}
+        while not done.is_set():
+            started = time.monotonic()
+            async with http.post(url, json=chat_body(), headers=unusable_id) as response:
+                assert response.status == 400
+                await response.read()
+            if sending.is_set():
+                waits.append(time.monotonic() - started)
+
+    other = asyncio.create_task(other_client())
+    try:
+        client = await RawClient.connect(port)
+        sending.set()
+        await client.send_request(body)
+        reply = await client.read_reply(timeout=60)
+        client.close_fin()
+    finally:
+        done.set()
+        await asyncio.wait_for(other, 30)
+    return reply.status, _memory(tether_pid, "VmHWM") - before, max(waits)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        pytest.param(_tiny_containers(b"{}", 2 * MIB), 200, id="2MiB-tiny-objects"),
+        pytest.param(_tiny_containers(b"{}", 8 * MIB), 413, id="8MiB-tiny-objects"),
+        pytest.param(_tiny_containers(b"{}", 31 * MIB), 413, id="31MiB-tiny-objects"),
+        pytest.param(_tiny_containers(b"[]", 2 * MIB), 200, id="2MiB-tiny-arrays"),
+        pytest.param(_tiny_containers(b"[]", 31 * MIB), 413, id="31MiB-tiny-arrays"),
+        pytest.param(_deep_nesting(31 * MIB), 413, id="31MiB-deep-nesting"),
+    ],
+)
+async def test_a_body_built_to_cost_costs_tether_a_few_times_its_size(
+    engine_process: EngineProcessFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+    body: bytes,
+    status: int,
+) -> None:
+    """Up to 31 MiB (the default TETHER_MAX_JSON_BODY) of tiny objects, tiny arrays or
+    nesting where tether writes its ID into the JSON (SGLang's rid): tether's memory grows by
+    a few times the body, never by the tens of times decoding it would cost, and another
+    client is answered meanwhile. Past a million strings, arrays and objects the body is
+    refused with an OpenAI-style 413."""
+    engine = await engine_process("--abort-route", "sglang", "--token-interval", "0")
+    process = await tether_process(engine.url, TETHER_ENGINE="sglang")
+    url = process.url()
+    async with http.post(url, json=chat_body(stream=False, max_tokens=1)) as response:
+        assert response.status == 200  # warm: the first request's own allocations are done
+
+    answered, grown, longest_wait = await _costly_body_answered(
+        http, process.pid, url, process.port, body
+    )
+
+    # The body as it arrived (aiohttp's pieces), joined, and a copy on its way upstream;
+    # decoding it whole took 27 times its size (870 MiB for 31 MiB of `{}`).
+    assert grown < 3 * len(body) + 16 * MIB, f"{grown / MIB:.0f} MiB"
+    # Decoding 31 MiB of tiny arrays whole held the loop for 6 to 8 s; scanning them takes
+    # tens of milliseconds compiled, about a second in pure Python on a loaded machine.
+    assert longest_wait < 3.0
+    assert answered == status

@@ -16,11 +16,10 @@ from proxy.wire.ids import (
     IdMapper,
     IdMinter,
     InvalidClientRequestId,
-    InvalidJsonBody,
-    JsonObject,
     check_client_request_id,
     json_escaped,
 )
+from proxy.wire.json_members import InvalidJsonBody, JsonObject
 from tether_fake_engine import AbortRoute
 
 from .support.canaries import CANARY_PROMPT
@@ -72,17 +71,17 @@ def test_body_fields_are_set_and_every_other_byte_kept() -> None:
         + b' h\\u00e9llo", "kv_transfer_params": {"remote_block_ids": [1, 2], "lease": 30.0,'
         b' "x": 1e2}}'
     )
-    edited = JsonObject(body).with_members({"request_id": "internal"})
+    edited = JsonObject(body, ["request_id"]).with_members({"request_id": "internal"})
     assert edited == body.replace(b'"client"', b'"internal"')
 
 
 def test_a_missing_field_is_added_first_and_a_repeated_one_set_everywhere() -> None:
     """An absent field goes in right after the opening brace; a name written twice (which
     json.loads reads as its last) gets tether's value in both places."""
-    assert JsonObject(b'{"a": 1}').with_members({"rid": "x"}) == b'{"rid":"x","a": 1}'
-    assert JsonObject(b"{ }").with_members({"rid": "x"}) == b'{"rid":"x" }'
-    twice = JsonObject(b'{"rid": "a", "rid": "b"}')
-    assert twice.get("rid") == "b"
+    assert JsonObject(b'{"a": 1}', ["rid"]).with_members({"rid": "x"}) == b'{"rid":"x","a": 1}'
+    assert JsonObject(b"{ }", ["rid"]).with_members({"rid": "x"}) == b'{"rid":"x" }'
+    twice = JsonObject(b'{"rid": "a", "rid": "b"}', ["rid"])
+    assert twice.scalar("rid") == "b"
     assert twice.with_members({"rid": "x"}) == b'{"rid": "x", "rid": "x"}'
 
 
@@ -90,11 +89,14 @@ def test_a_dotted_field_is_set_inside_its_object_or_makes_one() -> None:
     """`parameters.rid` sets a member of `parameters`, keeping its other bytes; where
     `parameters` is missing or not an object, it becomes one."""
     body = b'{"parameters": {"temperature": 0.50, "rid": "mine"}, "instances": []}'
-    assert JsonObject(body).with_members({"parameters.rid": "x"}) == body.replace(b'"mine"', b'"x"')
-    assert json.loads(JsonObject(b'{"parameters": 3}').with_members({"parameters.rid": "x"})) == {
+    edited = JsonObject(body, ["parameters"]).with_members({"parameters.rid": "x"})
+    assert edited == body.replace(b'"mine"', b'"x"')
+    not_an_object = JsonObject(b'{"parameters": 3}', ["parameters"])
+    assert json.loads(not_an_object.with_members({"parameters.rid": "x"})) == {
         "parameters": {"rid": "x"}
     }
-    assert json.loads(JsonObject(b'{"a": 1}').with_members({"parameters.rid": "x"})) == {
+    missing = JsonObject(b'{"a": 1}', ["parameters"])
+    assert json.loads(missing.with_members({"parameters.rid": "x"})) == {
         "parameters": {"rid": "x"},
         "a": 1,
     }
@@ -104,8 +106,8 @@ def test_a_dotted_field_is_set_inside_its_object_or_makes_one() -> None:
 def test_a_body_in_another_utf_is_read_and_written_as_utf8(encoding: str) -> None:
     """A body json.loads reads (another UTF, a BOM) is edited too, and goes out as UTF-8."""
     body = json.dumps({"rid": "client", "text": "héllo"}).encode(encoding)
-    document = JsonObject(body)
-    assert document.get("rid") == "client"
+    document = JsonObject(body, ["rid"])
+    assert document.scalar("rid") == "client"
     assert json.loads(document.with_members({"rid": "x"}).decode("utf-8")) == {
         "rid": "x",
         "text": "héllo",
@@ -118,7 +120,7 @@ def test_a_body_in_another_utf_is_read_and_written_as_utf8(encoding: str) -> Non
 def test_bodies_that_are_not_json_objects_are_refused(body: bytes) -> None:
     """tether cannot write its ID into a body that is not a JSON object."""
     with pytest.raises(InvalidJsonBody):
-        JsonObject(body)
+        JsonObject(body, ["rid"])
 
 
 _json_values = st.recursive(
@@ -143,7 +145,7 @@ def test_setting_members_is_what_json_would_read(
     text byte for byte."""
     separators = (", ", ": ") if spaced else (",", ":")
     body = json.dumps(document, separators=separators, ensure_ascii=False).encode()
-    edited = JsonObject(body).with_members(values)
+    edited = JsonObject(body, values).with_members(values)
     assert json.loads(edited) == {**document, **values}
     for name, value in document.items():
         if name not in values:

@@ -37,6 +37,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.engines import REQUEST_ID_HEADER, BodyField, Route, sglang, vllm
+from proxy.wire.json_members import JsonObject
 
 _Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -227,7 +228,9 @@ class FakeEngine:
     # --- HTTP ---------------------------------------------------------------------------
 
     def _make_app(self) -> web.Application:
-        app = web.Application()
+        # Bodies of any size, as vLLM and SGLang take them (uvicorn and FastAPI set no limit),
+        # not aiohttp's 1 MiB.
+        app = web.Application(client_max_size=1 << 30)
         for path in _ROUTES:
             app.router.add_post(path, self._completions)
         app.router.add_get("/health", self._health)
@@ -306,7 +309,7 @@ class FakeEngine:
         )
         payload: dict[str, Any] = json.loads(body) if body else {}
         knobs = payload.get("fake", {})
-        generation = self._new_generation(request, payload, knobs)
+        generation = self._new_generation(request, body, payload, knobs)
         generation.process = self.process_of(request)
         running = self.generations.get(generation.request_id)
         if (
@@ -335,7 +338,7 @@ class FakeEngine:
             raise
 
     def _new_generation(
-        self, request: web.Request, payload: dict[str, Any], knobs: dict[str, Any]
+        self, request: web.Request, body: bytes, payload: dict[str, Any], knobs: dict[str, Any]
     ) -> Generation:
         api = _ROUTES[request.path]
         route: Route | None
@@ -368,7 +371,8 @@ class FakeEngine:
             response_id = request_id
         else:
             # A batch (a list of prompts) runs as one engine request per prompt.
-            engine_ids = route.engine_request_ids(named, route.batch(payload))
+            batch = route.batch(JsonObject(body, route.fan_out)) if route.fan_out and body else None
+            engine_ids = route.engine_request_ids(named, batch)
             response_id = route.answer_id(named)
         return Generation(
             request_id=request_id,

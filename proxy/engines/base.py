@@ -97,10 +97,21 @@ class BodyField:
         return value
 
 
-class _Members(Protocol):
-    """A JSON body's top-level members, read by name (a dict, `request_ids.JsonObject`)."""
+class _Array(Protocol):
+    """An array member, counted without being built (`wire.json_members.JsonArray`)."""
 
-    def get(self, name: str, /) -> Any: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def first(self) -> Any: ...
+
+
+class _Members(Protocol):
+    """A JSON body's top-level members, read by name (`wire.json_members.JsonMembers`)."""
+
+    def kind(self, name: str, /) -> str | None: ...
+
+    def array(self, name: str, /) -> _Array | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,15 +167,15 @@ class Route:
         return next((body for body in self.body_fields if body.value == "{id}"), None)
 
     def batch(self, body: _Members) -> int | None:
-        """How many prompts the first `fan_out` field present in `body` holds as a list (a
-        string or a list of token IDs is one prompt: None)."""
+        """How many prompts the first `fan_out` field present in `body` holds as a list,
+        counted without building it (a string or a list of token IDs is one prompt: None)."""
         for name in self.fan_out:
-            value = body.get(name)
-            if value is None:
+            if body.kind(name) in (None, "null"):
                 continue
-            if isinstance(value, list) and not (value and isinstance(value[0], int)):
-                return len(value)
-            return None
+            prompts = body.array(name)
+            if prompts is None or isinstance(prompts.first, int):  # token IDs: one prompt
+                return None
+            return prompts.length
         return None
 
     def engine_request_ids(

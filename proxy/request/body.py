@@ -10,7 +10,8 @@ what the body is more than by its label. So on a route where tether owns an ID f
 the engine takes as labelled JSON is read whole, and any other body is read whole too as
 soon as its first bytes say it could be a JSON object. Only a body that cannot be one (a
 multipart upload, audio, plain text) streams through untouched: no engine can read an ID
-out of it.
+out of it. A body read whole is not decoded whole to learn the few members tether reads
+(`json_members`): what it costs stays a small multiple of what the client sent.
 """
 
 from __future__ import annotations
@@ -25,15 +26,31 @@ from aiohttp import web
 from multidict import CIMultiDict, istr
 
 from ..engines import BodyField, JsonRule, Route
-from ..errors import ClientBodyTimeoutError, InvalidRequestBodyError, RequestBodyTooLargeError
+from ..errors import (
+    ClientBodyTimeoutError,
+    InvalidRequestBodyError,
+    RequestBodyTooComplexError,
+    RequestBodyTooLargeError,
+)
 from ..upstream.exchange import RequestBody
-from ..wire.ids import InvalidJsonBody, JsonObject, RawJson
+from ..wire.json_members import (
+    InvalidJsonBody,
+    JsonBodyTooComplex,
+    JsonMembers,
+    JsonObject,
+    RawJson,
+)
 
 _CONTENT_TYPE = istr("Content-Type")
 # A body that asks for a stream, as written (a spelling that hides it only loses usage).
 _ASKS_FOR_STREAM = re.compile(rb'"stream"\s*:\s*true')
 # What asking a stream's usage sets where the body has no stream_options (most bodies).
 _INCLUDE_USAGE = RawJson('{"include_usage":true}')
+_TRUE = RawJson("true")
+_FALSE = RawJson("false")
+# The members tether reads of every body it parses, and of its stream_options.
+_MEMBERS_READ = ("n", "model", "stream", "stream_options", "background")
+_USAGE_OPTIONS = ("include_usage", "continuous_usage_stats")
 _EXPECT = istr("Expect")
 
 
@@ -129,41 +146,57 @@ async def outgoing_body(
         or route.samples_unnamed
     ):
         return OutgoingBody(body)
+    # Only the members tether reads are decoded, each from its own bytes (`json_members`);
+    # what it reads may still turn out not to be JSON, so the reading is inside the try.
+    names = [*_MEMBERS_READ, *route.fan_out]
+    for field in maybe:
+        names.append(field.name.partition(".")[0])
+    if names_id and id_field is not None:
+        names.append(id_field.name.partition(".")[0])
     try:
-        document = JsonObject(body)
+        document = JsonObject(body, names)
+        n = document.scalar("n")
+        model = document.scalar("model")
+        client_id = _named_id(document, id_field.name) if names_id and id_field else None
+        kept = id_field if keep_client_id and client_id is not None else None
+        values: dict[str, Any] = {
+            field.name: field.value.format(id=internal_request_id)
+            for field in maybe
+            if (field.always or _holds(document, field.name)) and field is not kept
+        }
+        usage = usage and document.scalar("stream") is True and _ask_for_usage(document, values)
+        facts = BodyFacts(
+            background=route.may_run_in_background and document.scalar("background") is True,
+            batch=route.batch(document),
+            samples=n if isinstance(n, int) and n > 1 else 1,
+            usage_asked=usage,
+            model=model if isinstance(model, str) else None,
+            client_id=client_id,
+        )
+        return OutgoingBody(document.with_members(values) if values else body, facts)
+    except JsonBodyTooComplex as exc:
+        raise RequestBodyTooComplexError(str(exc)) from None
     except InvalidJsonBody as exc:
         if not labelled_json:
             return OutgoingBody(body)  # not JSON after all: nothing for an engine to read
         raise InvalidRequestBodyError(str(exc)) from None
-    n = document.get("n")
-    model = document.get("model")
-    client_id = _named_id(document, id_field.name) if names_id and id_field else None
-    kept = id_field if keep_client_id and client_id is not None else None
-    values: dict[str, Any] = {
-        field.name: field.value.format(id=internal_request_id)
-        for field in maybe
-        if (field.always or _holds(document, field.name)) and field is not kept
-    }
-    if usage and document.get("stream") is True:
-        options = document.get("stream_options")
-        if options is None:
-            values["stream_options"] = _INCLUDE_USAGE
-        elif not (isinstance(options, dict) and options.get("include_usage") is True):
-            merged = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-            if merged.get("continuous_usage_stats"):
-                # Only in effect with include_usage: unasked, it would put usage in every
-                # chunk, where the client (straight to the engine) gets none.
-                merged["continuous_usage_stats"] = False
-            values["stream_options"] = merged
-    facts = BodyFacts(
-        background=route.may_run_in_background and document.get("background") is True,
-        batch=route.batch(document),
-        samples=n if isinstance(n, int) and n > 1 else 1,
-        usage_asked="stream_options" in values,
-        model=model if isinstance(model, str) else None,
-        client_id=client_id,
-    )
-    return OutgoingBody(document.with_members(values) if values else body, facts)
+
+
+def _ask_for_usage(document: JsonMembers, values: dict[str, Any]) -> bool:
+    """Add to `values` what makes the engine report the stream's usage; False where the body
+    asks for it already."""
+    options = document.object("stream_options", _USAGE_OPTIONS)
+    if options is None:  # absent, null, or not an object
+        values["stream_options"] = _INCLUDE_USAGE
+        return True
+    if options.scalar("include_usage") is True:
+        return False
+    values["stream_options.include_usage"] = _TRUE
+    if options.truthy("continuous_usage_stats"):
+        # Only in effect with include_usage: unasked, it would put usage in every chunk, where
+        # the client (straight to the engine) gets none.
+        values["stream_options.continuous_usage_stats"] = _FALSE
+    return True
 
 
 def _check_declared_length(request: web.BaseRequest, limit: int) -> None:
@@ -174,21 +207,20 @@ def _check_declared_length(request: web.BaseRequest, limit: int) -> None:
         )
 
 
-def _holds(document: JsonObject, name: str) -> bool:
+def _holds(document: JsonMembers, name: str) -> bool:
     """Whether the body has the field `name` (dotted for a field inside an object field)."""
     outer, _, inner = name.partition(".")
     if not inner:
         return name in document
-    value = document.get(outer)
-    return isinstance(value, dict) and inner in value
+    value = document.object(outer, (inner,))
+    return value is not None and inner in value
 
 
-def _named_id(document: JsonObject, name: str) -> str | None:
+def _named_id(document: JsonMembers, name: str) -> str | None:
     """The non-empty string at field `name` (dotted for a field inside an object field)."""
     outer, _, inner = name.partition(".")
-    value = document.get(outer)
-    if inner:
-        value = value.get(inner) if isinstance(value, dict) else None
+    holder = document.object(outer, (inner,)) if inner else document
+    value = holder.scalar(inner or name) if holder is not None else None
     return value if isinstance(value, str) and value else None
 
 

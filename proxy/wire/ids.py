@@ -1,15 +1,10 @@
-"""Pure request-ID work: mint internal IDs, check client IDs, write IDs into request bodies
-and map them back in response bytes. No I/O."""
+"""Pure request-ID work: mint internal IDs, check client IDs and map IDs back in response
+bytes. No I/O. (Writing IDs into request bodies: `json_members`.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-from json.decoder import scanstring  # type: ignore[attr-defined]
-from typing import Any
-
-from mypy_extensions import mypyc_attr
 
 MAX_CLIENT_REQUEST_ID_LENGTH = 256
 INTERNAL_REQUEST_ID_LENGTH = 32
@@ -62,158 +57,6 @@ def check_client_request_id(value: str) -> str:
             "may only contain visible ASCII characters (no spaces or control characters)"
         )
     return value
-
-
-class InvalidJsonBody(ValueError):
-    """The body must be a JSON object for tether to write its ID into it."""
-
-
-_JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
-_DECODER = json.JSONDecoder()
-
-
-class JsonObject:
-    """A request body's top-level members, located in its text: any of them read as
-    `json.loads` (FastAPI's parser) would, or some of them set, with every other byte as
-    the client (or a router before it) sent it: a field tether does not own, a router's
-    `kv_transfer_params` among them, passes through unchanged.
-
-    The body may be in any encoding `json.loads` detects (UTF-8, -16, -32, a BOM); an edited
-    body goes out as UTF-8. A name that appears twice counts as its last occurrence, as
-    `json.loads` reads it; setting it sets every occurrence."""
-
-    __slots__ = ("_body", "_document", "_located", "_text")
-
-    def __init__(self, body: bytes) -> None:
-        # A body that opens with its brace is UTF-8 (UTF-16 and -32 would put a NUL next to
-        # it, a BOM before it): the common case, read without asking which encoding it is.
-        utf8 = body[:1] == b"{" and body[1:2] != b"\x00"
-        try:
-            text = body.decode("utf-8" if utf8 else json.detect_encoding(body))
-        except UnicodeDecodeError as exc:
-            raise InvalidJsonBody(f"the request body is not valid JSON: {exc}") from None
-        self._text = text.removeprefix("\ufeff")
-        # Members added in front of the others go straight into the bytes of such a body.
-        self._body = body if utf8 else None
-        # Read whole by the C parser (a dict keeps a name's last occurrence, as json.loads
-        # does); where each member is written is found only when one that exists is edited.
-        try:
-            document = _DECODER.decode(self._text)
-        except ValueError as exc:
-            raise InvalidJsonBody(f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(document, dict):
-            raise InvalidJsonBody("the request body must be a JSON object")
-        self._document: dict[str, Any] = document
-        self._located: list[tuple[str, int, int]] | None = None
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._document
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """The member's value (its last occurrence), decoded; `default` when absent."""
-        return self._document.get(name, default)
-
-    def raw(self, name: str) -> str | None:
-        """The member's value as it is written (its last occurrence), or None."""
-        if name not in self._document:
-            return None
-        for member, start, end in reversed(self._members()):
-            if member == name:
-                return self._text[start:end]
-        return None  # unreachable: the parser and the scan agree on the names
-
-    def _members(self) -> list[tuple[str, int, int]]:
-        if self._located is None:
-            self._located = _members(self._text)
-        return self._located
-
-    def with_members(self, values: dict[str, Any]) -> bytes:
-        """The body with these members set (a dotted name sets a member of an object
-        member, which becomes an object if it is not one), every other byte as it was."""
-        nested: dict[str, dict[str, Any]] = {}
-        direct: dict[str, str] = {}
-        for name, value in values.items():
-            outer, _, inner = name.partition(".")
-            if inner:
-                nested.setdefault(outer, {})[inner] = value
-            else:
-                direct[name] = _encoded(value)
-        for outer, inner_values in nested.items():
-            current = self.raw(outer)
-            try:
-                inner_object = JsonObject(current.encode()) if current is not None else None
-            except InvalidJsonBody:
-                inner_object = None
-            direct[outer] = (
-                inner_object.with_members(inner_values).decode()
-                if inner_object is not None
-                else _encoded(_unflattened(inner_values))
-            )
-        return self._edited(direct)
-
-    def _edited(self, encoded: dict[str, str]) -> bytes:
-        missing = [name for name in encoded if name not in self]
-        inserted = ",".join(f"{_encoded(name)}:{encoded[name]}" for name in missing)
-        separator = "," if self._document else ""
-        if missing and self._body is not None and len(missing) == len(encoded):
-            return b"{" + (inserted + separator).encode() + self._body[1:]
-        text, pieces, at = self._text, [], 0
-        opening = text.index("{") + 1
-        if missing:
-            pieces += [text[:opening], inserted, separator]
-            at = opening
-        if len(missing) < len(encoded):  # some are there already: set where they are written
-            for name, start, end in self._members():
-                if name in encoded and name not in missing:
-                    pieces += [text[at:start], encoded[name]]
-                    at = end
-        pieces.append(text[at:])
-        return "".join(pieces).encode()
-
-
-def _members(text: str) -> list[tuple[str, int, int]]:
-    """(name, value start, value end) of each member of `text`, a JSON object the parser
-    has read already."""
-    members: list[tuple[str, int, int]] = []
-    at = _skip(text, text.index("{") + 1)
-    while text[at] != "}":
-        name, at = scanstring(text, _skip(text, at) + 1)
-        start = _skip(text, _skip(text, at) + 1)  # past the colon
-        _, end = _DECODER.raw_decode(text, start)
-        members.append((name, start, end))
-        at = _skip(text, end)
-        if text[at] == ",":
-            at = _skip(text, at + 1)
-    return members
-
-
-def _skip(text: str, at: int) -> int:
-    return _JSON_WHITESPACE.match(text, at).end()  # type: ignore[union-attr]
-
-
-# A subclass of str: a Python class even where this module is compiled (mypyc's own classes
-# cannot derive from str).
-@mypyc_attr(native_class=False)
-class RawJson(str):
-    """A member's value already written as JSON (a constant tether sets on many requests)."""
-
-
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-
-def _encoded(value: Any) -> str:
-    return value if isinstance(value, RawJson) else _ENCODER.encode(value)
-
-
-def _unflattened(values: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for name, value in values.items():
-        *outer, last = name.split(".")
-        holder = result
-        for key in outer:
-            holder = holder.setdefault(key, {})
-        holder[last] = value
-    return result
 
 
 def json_escaped(value: str) -> bytes:
