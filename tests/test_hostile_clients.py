@@ -979,7 +979,13 @@ def _memory(pid: int, field: str) -> int:
 
 
 async def _costly_body_answered(
-    http: aiohttp.ClientSession, tether_pid: int, url: str, port: int, body: bytes
+    http: aiohttp.ClientSession,
+    tether_pid: int,
+    url: str,
+    port: int,
+    body: bytes,
+    *,
+    path: str = "/v1/chat/completions",
 ) -> tuple[int, int, float]:
     """Send `body` while another client keeps asking: the status tether answered it with,
     how far tether's resident memory rose above where it was, and the longest the other
@@ -1006,7 +1012,7 @@ async def _costly_body_answered(
     try:
         client = await RawClient.connect(port)
         sending.set()
-        await client.send_request(body)
+        await client.send_request(body, path=path)
         reply = await client.read_reply(timeout=60)
         client.close_fin()
     finally:
@@ -1055,3 +1061,57 @@ async def test_a_body_built_to_cost_costs_tether_a_few_times_its_size(
     # tens of milliseconds compiled, about a second in pure Python on a loaded machine.
     assert longest_wait < 3.0
     assert answered == status
+
+
+@pytest.mark.parametrize(
+    ("engine", "path", "body", "code"),
+    [
+        pytest.param(
+            "sglang",
+            "/v1/chat/completions",
+            json.dumps({**chat_body(max_tokens=100), "rid": "r" * (4 * MIB)}).encode(),
+            "invalid_request_id",
+            id="4MB-body-rid",
+        ),
+        pytest.param(
+            "vllm",
+            "/v1/completions",
+            json.dumps(
+                {
+                    "model": "m",
+                    "stream": True,
+                    "prompt": [f"prompt {i:032}" for i in range(480_000)],
+                }
+            ).encode(),
+            "too_many_engine_requests",
+            id="20MB-batch",
+        ),
+    ],
+)
+async def test_an_id_or_batch_built_to_amplify_costs_tether_a_few_times_its_size(
+    engine_process: EngineProcessFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+    engine: str,
+    path: str,
+    body: bytes,
+    code: str,
+) -> None:
+    """A 4 MB body `rid` (echoed into every event, it made 424 MB of answer and 466 MiB of
+    tether on vLLM 0.32) and a 20 MB batch (one 243 MB abort body and 1.1 GiB): refused with
+    an OpenAI-style 400 before the engine sees them, tether's memory growing by a few times
+    what the client sent, another client answered meanwhile."""
+    abort_route = "sglang" if engine == "sglang" else "dev"
+    engine_server = await engine_process("--abort-route", abort_route, "--token-interval", "0")
+    process = await tether_process(engine_server.url, TETHER_ENGINE=engine)
+    url = process.url()
+    async with http.post(url, json=chat_body(stream=False, max_tokens=1)) as response:
+        assert response.status == 200  # warm
+
+    status, grown, longest_wait = await _costly_body_answered(
+        http, process.pid, url, process.port, body, path=path
+    )
+
+    assert status == 400
+    assert grown < 3 * len(body) + 16 * MIB, f"{grown / MIB:.0f} MiB"
+    assert longest_wait < 3.0
