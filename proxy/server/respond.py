@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -164,7 +164,9 @@ async def _relay_websocket(
         state.upstream.attach(relay)
         # From here aiohttp hands the client's bytes to `frames` (those that came with the
         # handshake first), as it would to its own WebSocket reader.
-        request.protocol.set_parser(frames)  # type: ignore[arg-type]
+        # (aiohttp types the parser as its own HttpRequestParser; it only calls feed_data.)
+        parser: Any = frames
+        request.protocol.set_parser(parser)
         await state.upstream.wait_end()
     finally:
         ctx.accounting.websocket_closed()
@@ -187,7 +189,8 @@ def _client_headers(
 
 
 def _is_sse(head: ResponseHead) -> bool:
-    return head.headers.get(_CONTENT_TYPE, "").startswith("text/event-stream")
+    content_type: str = head.headers.get(_CONTENT_TYPE, "")
+    return content_type.startswith("text/event-stream")
 
 
 def _is_chunked(writer: AbstractStreamWriter) -> bool:
