@@ -11,8 +11,9 @@ they are built, the pure-Python ones with TETHER_NO_EXTENSIONS=1):
   sent, its head and then its body read in two loop turns, the body buffered and mapped back.
 
 Both transports are stand-ins that take every write at once, so the figures are tether's code
-and the event loop's turns, not the kernel's. Compare them before and after a change to the
-upstream layer (the same machine, the same build kind)."""
+and the event loop's turns, not the kernel's; each is the process's CPU time (not the wall
+clock), so that other work on a shared machine disturbs it less. Compare them before and
+after a change to the upstream layer (the same machine, the same build kind)."""
 
 from __future__ import annotations
 
@@ -150,10 +151,10 @@ async def relay_per_chunk(chunks: int, idle_timeout: float | None) -> float:
     await asyncio.sleep(0)  # the wait begins (and, with a timeout, watches for silence)
     connection.data_received(EVENT_CHUNK)  # the first byte noted: the steady state from here
     feed = connection.data_received
-    start = time.perf_counter()
+    start = time.process_time()
     for _ in range(chunks):
         feed(EVENT_CHUNK)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     connection.data_received(b"0\r\n\r\n")
     await waiting
     pool.close()
@@ -178,10 +179,10 @@ async def non_streaming_request(requests: int, idle_timeout: float | None) -> fl
         relay.take_buffered()
 
     await one()  # the connection opened, then reused by every measured request
-    start = time.perf_counter()
+    start = time.process_time()
     for _ in range(requests):
         await one()
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(opened) == 1, "the connection was not reused"
     pool.close()
     return elapsed / requests
