@@ -54,7 +54,7 @@ from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, ClientFrames, websocket_asked
 from ..settings import RequestIdMode
 from ..upstream.connection import ResponseHead
-from ..upstream.exchange import UpstreamExchange
+from ..upstream.exchange import SinkClosedError, UpstreamExchange
 from ..upstream.relay import ResponseRelay
 from ..wire.headers import client_head_size, client_response_headers, upstream_request_headers
 from ..wire.ids import (
@@ -166,7 +166,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         stopped = _stopped_by_tether(outcome)
         state.ending = Ending(outcome, stopped.status, stopped)
         return error_response(stopped, settings.request_id_header, client_request_id)
-    except ClientGoneError:
+    except (ClientGoneError, SinkClosedError):
         # 5b. The relay found the client's socket closing: same as a cancellation by a
         # disconnect. The response goes back to aiohttp, whose last write fails quietly on the
         # closed socket (an exception here would be logged as a server error).

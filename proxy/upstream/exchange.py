@@ -20,8 +20,9 @@ import time
 from collections.abc import AsyncIterable
 from typing import Protocol
 
+from mypy_extensions import mypyc_attr
+
 from ..errors import (
-    ClientGoneError,
     RequestTimeoutError,
     TetherError,
     UpstreamBrokenError,
@@ -38,9 +39,17 @@ RequestBody = bytes | AsyncIterable[bytes] | None
 
 
 class BodySink(Protocol):
-    """Whatever consumes an exchange's response body, chunk by chunk."""
+    """Whatever consumes an exchange's response body, chunk by chunk. One that can no longer
+    pass bytes on (where it writes to closed) says so with `UpstreamExchange.on_sink_closed`."""
 
     def feed(self, chunk: bytes) -> None: ...
+
+
+# (mypyc compiles no subclass of a built-in exception but as a regular Python class.)
+@mypyc_attr(native_class=False)
+class SinkClosedError(ConnectionError):
+    """The response body's sink stopped taking bytes: where it writes to closed. The
+    exchange's reader decides what that means (the handler's: its client left)."""
 
 
 class UpstreamExchange:
@@ -60,9 +69,9 @@ class UpstreamExchange:
         "_replayable",
         "_retried",
         "_sink",
+        "_sink_closed",
         "_upgrade",
         "_watch_silence",
-        "client_gone",
         "complete",
         "ended_at",
         "error",
@@ -95,7 +104,7 @@ class UpstreamExchange:
         self.head: ResponseHead | None = None
         self.error: TetherError | None = None
         self.complete = False
-        self.client_gone = False
+        self._sink_closed = False
         self.sent = False  # the whole request reached the engine's socket
         self.sent_at = 0.0  # time.monotonic() it did
         self._watch_silence = False  # set by a wait with an idle timeout
@@ -209,15 +218,16 @@ class UpstreamExchange:
         return self.head
 
     async def wait_end(self, idle_timeout: float | None = None) -> None:
-        """Until the response ended; raises what went wrong otherwise.
+        """Until the response ended; raises what went wrong otherwise (`SinkClosedError` once
+        the sink stopped taking bytes).
 
         With an idle timeout, the engine may not go silent for longer than that.
         """
         while not self.complete:
             if self.error is not None:
                 raise self.error
-            if self.client_gone:
-                raise ClientGoneError("a write to the client failed")
+            if self._sink_closed:
+                raise SinkClosedError("the response body's sink stopped taking bytes")
             if idle_timeout is None:
                 await self._next_event()
                 continue
@@ -307,9 +317,10 @@ class UpstreamExchange:
         if self._connection is not None:
             self._connection.forbid_reuse()
 
-    def notify_client_gone(self) -> None:
-        """The sink found the client gone: the handler's wait ends."""
-        self.client_gone = True
+    def on_sink_closed(self) -> None:
+        """The sink found where it writes to closed: the wait for the end stops with
+        `SinkClosedError`. The response itself goes on (the sink may still count it)."""
+        self._sink_closed = True
         self._signal()
 
     def close(self) -> None:

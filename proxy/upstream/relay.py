@@ -136,7 +136,7 @@ class ResponseRelay:
         transport = self._transport
         assert transport is not None
         if transport.is_closing():
-            self._client_left()
+            self._transport_closed()
             return
         if not self._chunked:
             transport.write(chunk)
@@ -158,15 +158,17 @@ class ResponseRelay:
         try:
             await self._writer.drain()
         except ConnectionError:
-            self._client_left()
+            self._transport_closed()
             return
         finally:
             self._drain = None
         self._exchange.resume_reading()
 
-    def _client_left(self) -> None:
+    def _transport_closed(self) -> None:
+        """Where the body goes closed: relaying stops, and the exchange's reader hears of it
+        (the handler takes it for its client leaving)."""
         self.discard()
-        self._exchange.notify_client_gone()
+        self._exchange.on_sink_closed()
 
     # --- the end ---------------------------------------------------------------------------
 
@@ -185,7 +187,7 @@ class ResponseRelay:
         transport = self._transport
         assert transport is not None
         if transport.is_closing():
-            self._client_left()
+            self._transport_closed()
             return
         transport.write(b"%x\r\n%b\r\n" % (len(tail), tail) if self._chunked else tail)
         self.bytes_out += len(tail)
