@@ -31,6 +31,7 @@ COMPILED_MODULES = (
     "proxy.upstream.connection",
     "proxy.upstream.exchange",
     "proxy.upstream.relay",
+    "proxy.upstream.backpressure",
     "proxy.wire.ids",
     "proxy.wire.tokens",
     "proxy.wire.usage_events",
