@@ -36,41 +36,7 @@ from proxy.upstream.connection import (
 from proxy.upstream.exchange import UpstreamExchange
 from proxy.upstream.pool import UploadLimit, UpstreamPool
 
-
-class FakeTransport:
-    """What a connection writes, and its close, which (as asyncio's transports do) reaches
-    the protocol's `connection_lost` on the loop's next turn; a write to a closing transport
-    goes nowhere, as asyncio's does."""
-
-    def __init__(self, protocol: UpstreamConnection) -> None:
-        self.protocol = protocol
-        self.written = b""
-        self.closed = False
-        self.reading = True
-
-    def write(self, data: bytes) -> None:
-        if not self.closed:
-            self.written += data
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def is_reading(self) -> bool:
-        return self.reading
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-    def get_write_buffer_size(self) -> int:
-        return 0
+from .support.fake_transport import FakeEngine, FakeTransport, settle
 
 
 class Heard:
@@ -111,12 +77,6 @@ def machine(*, head_only: bool = False) -> Machine:
     heard = Heard()
     connection.begin(heard, heard.receive, head_only=head_only)
     return Machine(connection, transport, heard, pooled)
-
-
-async def settle() -> None:
-    """Let scheduled `connection_lost` calls run."""
-    for _ in range(3):
-        await asyncio.sleep(0)
 
 
 OK = ("head", 200)
@@ -490,23 +450,6 @@ steps = st.builds(
 )
 
 
-class Engine:
-    """The fake connector: every connection the pool opens, with its transport."""
-
-    def __init__(self) -> None:
-        self.transports: list[FakeTransport] = []
-
-    async def connect(self, factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:
-        connection = factory()
-        transport = FakeTransport(connection)
-        connection.connection_made(transport)  # type: ignore[arg-type]
-        self.transports.append(transport)
-        return connection
-
-    def carrying(self, head: bytes) -> list[FakeTransport]:
-        return [t for t in self.transports if head in t.written]
-
-
 class Sink:
     def __init__(self) -> None:
         self.received = b""
@@ -533,7 +476,7 @@ async def _send_and_wait_head(
 
 
 async def _run_steps(plan: list[Step], rng: random.Random) -> None:
-    engine = Engine()
+    engine = FakeEngine()
     pool = UpstreamPool(
         "engine",
         80,
@@ -562,7 +505,7 @@ async def _run_steps(plan: list[Step], rng: random.Random) -> None:
         sending = asyncio.create_task(_send_and_wait_head(exchange, head, body))
         await _until(lambda: bool(engine.carrying(head)), "the request head to go out")  # noqa: B023
         [transport] = engine.carrying(head)
-        connection = transport.protocol
+        connection = transport.connection
         # A connection is handed out again only after an exchange that left it clean.
         if connection.reused:
             assert clean_before[id(transport)], "reused after an exchange that did not end cleanly"
@@ -576,7 +519,7 @@ async def _run_steps(plan: list[Step], rng: random.Random) -> None:
             if step.method == "GET" and not step.streamed:  # safe to send again, and replayable
                 await _until(lambda: len(engine.carrying(head)) == 2, "the GET to be sent again")  # noqa: B023
                 [transport] = [t for t in engine.carrying(head) if not t.closed]
-                connection = transport.protocol
+                connection = transport.connection
                 sent_twice = True
             else:
                 release.set()
