@@ -236,7 +236,7 @@ class UpstreamExchange:
         """Until the response ended; raises what went wrong otherwise: the engine's failure,
         `SinkClosedError` once the sink stopped taking bytes, and with an idle timeout
         `RequestTimeoutError` once the engine was silent for longer than that."""
-        if idle_timeout is not None:
+        if idle_timeout is not None and not self.ended:
             self._watch_silence(idle_timeout)
         try:
             while not self.complete:
@@ -250,7 +250,7 @@ class UpstreamExchange:
                     )
                 await self._next_event()
         finally:
-            if idle_timeout is not None:
+            if self._idle_timeout is not None:
                 self._stop_watching()
 
     async def wait_ended(self) -> None:
