@@ -30,6 +30,7 @@ COMPILED_MODULES = (
     "proxy.upstream.connection",
     "proxy.upstream.exchange",
     "proxy.upstream.relay",
+    "proxy.upstream.backpressure",
     "proxy.wire.ids",
     "proxy.wire.json_members",
     "proxy.wire.tokens",

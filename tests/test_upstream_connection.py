@@ -6,60 +6,37 @@ only after a response that left it clean, and nothing is sent twice unless that 
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import proxy
 from proxy.errors import (
+    InternalError,
     TetherError,
     UpstreamBrokenError,
     UpstreamProtocolError,
     UpstreamUnavailableError,
 )
-from proxy.upstream.connection import ConnectionState, ResponseHead, UpstreamConnection
+from proxy.upstream.connection import (
+    TRANSITIONS,
+    ConnectionEvent,
+    ConnectionState,
+    ConnectionStateError,
+    ResponseHead,
+    UpstreamConnection,
+)
 from proxy.upstream.exchange import UpstreamExchange
 from proxy.upstream.pool import UploadLimit, UpstreamPool
 
-
-class FakeTransport:
-    """What a connection writes, and its close, which (as asyncio's transports do) reaches
-    the protocol's `connection_lost` on the loop's next turn; a write to a closing transport
-    goes nowhere, as asyncio's does."""
-
-    def __init__(self, protocol: UpstreamConnection) -> None:
-        self.protocol = protocol
-        self.written = b""
-        self.closed = False
-        self.reading = True
-
-    def write(self, data: bytes) -> None:
-        if not self.closed:
-            self.written += data
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def is_reading(self) -> bool:
-        return self.reading
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-    def get_write_buffer_size(self) -> int:
-        return 0
+from .support.fake_transport import FakeEngine, FakeTransport, settle
 
 
 class Heard:
@@ -100,12 +77,6 @@ def machine(*, head_only: bool = False) -> Machine:
     heard = Heard()
     connection.begin(heard, heard.receive, head_only=head_only)
     return Machine(connection, transport, heard, pooled)
-
-
-async def settle() -> None:
-    """Let scheduled `connection_lost` calls run."""
-    for _ in range(3):
-        await asyncio.sleep(0)
 
 
 OK = ("head", 200)
@@ -331,6 +302,74 @@ async def test_a_client_that_left_forbids_reuse() -> None:
     assert m.pooled == [] and m.transport.closed
 
 
+# --- the table of moves ------------------------------------------------------------------------
+
+
+def drawn(
+    transitions: dict[tuple[ConnectionState, ConnectionEvent], ConnectionState],
+) -> list[str]:
+    """The table as the module docstring draws it: one arrow per move, event by event in the
+    order of a connection's life; an event every state has a move for is drawn once for all
+    the states it takes to the same place ("any other state" beside its exceptions)."""
+    width = max(len(str(event)) for event in ConnectionEvent)
+    lines = []
+    for event in ConnectionEvent:
+        moves = {state: after for (state, on), after in transitions.items() if on is event}
+        common = None
+        if len(moves) == len(ConnectionState):
+            targets = list(moves.values())
+            common = max(targets, key=targets.count)
+        for state, after in moves.items():
+            if after is not common:
+                lines.append(f"{state:<15} ──{event:─<{width}}─▶ {after}")
+        if common is not None:
+            everyone = all(after is common for after in moves.values())
+            whom = "any state" if everyone else "any other state"
+            lines.append(f"{whom:<15} ──{event:─<{width}}─▶ {common}")
+    return lines
+
+
+def test_the_docstring_draws_the_table_of_moves() -> None:
+    """The state diagram in the connection's docstring is its table of moves, drawn: it
+    cannot drift from the code (redraw it from `drawn(TRANSITIONS)` when the table changes)."""
+    drawing = "\n".join("    " + line for line in drawn(TRANSITIONS))
+    # From the source: a compiled module keeps no docstring.
+    source = Path(proxy.__file__).parent / "upstream" / "connection.py"
+    docstring = ast.get_docstring(ast.parse(source.read_text()), clean=False)
+    assert docstring is not None
+    assert "\n" + drawing + "\n\n" in docstring, "redraw:\n" + drawing
+
+
+def test_an_event_without_a_move_raises_and_moves_nothing() -> None:
+    """An event the table has no move for in the current state is tether's bug: it raises at
+    once, and the connection stays where it was."""
+    m = machine()
+    m.connection.request_written()
+    with pytest.raises(ConnectionStateError, match="request_written in state awaiting_head"):
+        m.connection.request_written()
+    assert m.connection.state is ConnectionState.AWAITING_HEAD
+    with pytest.raises(ConnectionStateError):
+        m.connection.park(0.0)
+    assert m.connection.state is ConnectionState.AWAITING_HEAD
+
+
+async def test_a_missing_move_met_while_parsing_is_tethers_bug_not_the_engines() -> None:
+    """A reply that meets a move the table lacks (a 101 to a handshake tether has not finished
+    writing, which tether never does) ends the exchange as an internal error, not as the
+    engine's protocol error, and closes the connection."""
+    heard = Heard()
+    connection = UpstreamConnection(lambda _: None, lambda _: None)
+    transport = FakeTransport(connection)
+    connection.connection_made(transport)  # type: ignore[arg-type]
+    connection.begin(heard, heard.receive, head_only=False, upgrade=True)
+    connection.data_received(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+    await settle()
+    assert heard.events == [InternalError]
+    assert transport.closed and connection.state is ConnectionState.CLOSED
+
+
 # --- the pool and its exchanges under random engine behaviour -----------------------------------
 
 
@@ -411,23 +450,6 @@ steps = st.builds(
 )
 
 
-class Engine:
-    """The fake connector: every connection the pool opens, with its transport."""
-
-    def __init__(self) -> None:
-        self.transports: list[FakeTransport] = []
-
-    async def connect(self, factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:
-        connection = factory()
-        transport = FakeTransport(connection)
-        connection.connection_made(transport)  # type: ignore[arg-type]
-        self.transports.append(transport)
-        return connection
-
-    def carrying(self, head: bytes) -> list[FakeTransport]:
-        return [t for t in self.transports if head in t.written]
-
-
 class Sink:
     def __init__(self) -> None:
         self.received = b""
@@ -454,7 +476,7 @@ async def _send_and_wait_head(
 
 
 async def _run_steps(plan: list[Step], rng: random.Random) -> None:
-    engine = Engine()
+    engine = FakeEngine()
     pool = UpstreamPool(
         "engine",
         80,
@@ -483,7 +505,7 @@ async def _run_steps(plan: list[Step], rng: random.Random) -> None:
         sending = asyncio.create_task(_send_and_wait_head(exchange, head, body))
         await _until(lambda: bool(engine.carrying(head)), "the request head to go out")  # noqa: B023
         [transport] = engine.carrying(head)
-        connection = transport.protocol
+        connection = transport.connection
         # A connection is handed out again only after an exchange that left it clean.
         if connection.reused:
             assert clean_before[id(transport)], "reused after an exchange that did not end cleanly"
@@ -497,7 +519,7 @@ async def _run_steps(plan: list[Step], rng: random.Random) -> None:
             if step.method == "GET" and not step.streamed:  # safe to send again, and replayable
                 await _until(lambda: len(engine.carrying(head)) == 2, "the GET to be sent again")  # noqa: B023
                 [transport] = [t for t in engine.carrying(head) if not t.closed]
-                connection = transport.protocol
+                connection = transport.connection
                 sent_twice = True
             else:
                 release.set()

@@ -21,6 +21,7 @@ from aiohttp import web
 from multidict import istr
 
 from ..errors import UnsupportedUpgradeError
+from ..upstream.backpressure import ReadPacer
 from ..upstream.exchange import UpstreamExchange
 
 _UPGRADE = istr("Upgrade")
@@ -66,35 +67,25 @@ class ClientFrames:
     they came; while the engine reads slower, the client is not read. (The engine's side is
     a `ResponseRelay` into the client's socket, paced the same way.)"""
 
-    __slots__ = ("_client", "_engine", "_engine_drain", "bytes_from_client")
+    __slots__ = ("_engine", "_pacer", "bytes_from_client")
 
     def __init__(self, engine: UpstreamExchange, client: asyncio.Transport) -> None:
         self._engine = engine
-        self._client = client
-        self._engine_drain: asyncio.Task[None] | None = None
+        # Pauses reading the client while the engine's socket buffer drains.
+        self._pacer = ReadPacer(client, engine.drain)
         self.bytes_from_client = 0
 
     def feed_data(self, data: bytes) -> tuple[bool, bytes]:
         self.bytes_from_client += len(data)
         engine = self._engine
         engine.write(data)
-        if engine.writing_paused and self._engine_drain is None:
-            self._client.pause_reading()
-            self._engine_drain = asyncio.get_running_loop().create_task(self._resume_client())
+        if engine.writing_paused:
+            self._pacer.pause_until_drained()
         return False, b""
 
     def feed_eof(self) -> None:
         """The client's connection closed; its handler is cancelled with it, and stops the
         session."""
 
-    async def _resume_client(self) -> None:
-        try:
-            await self._engine.drain()
-        finally:
-            self._engine_drain = None
-        if not self._client.is_closing():
-            self._client.resume_reading()
-
     def close(self) -> None:
-        if self._engine_drain is not None:
-            self._engine_drain.cancel()
+        self._pacer.stop()

@@ -43,7 +43,7 @@ from ..request.naming import adopt_body_id, header_request_id, preserved_id, pre
 from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, websocket_asked
 from ..settings import RequestIdMode
-from ..upstream.exchange import UpstreamExchange
+from ..upstream.exchange import SinkClosedError, UpstreamExchange
 from ..wire.headers import client_head_size, upstream_request_headers
 from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .context import ProxyContext
@@ -126,10 +126,10 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         stopped = _stopped_by_tether(outcome)
         state.ending = Ending(outcome, stopped.status, stopped)
         return error_response(stopped, settings.request_id_header, client_request_id)
-    except ClientGoneError:
-        # 5b. A write found the client's socket closing. The response goes back to aiohttp,
-        # whose last write fails quietly on the closed socket (an exception here would be
-        # logged as a server error).
+    except (ClientGoneError, SinkClosedError):
+        # 5b. A write found the client's socket closing, or the relay its sink. The response
+        # goes back to aiohttp, whose last write fails quietly on the closed socket (an
+        # exception here would be logged as a server error).
         state.ending = _client_gone(ctx, state)
         assert state.client_response is not None  # only a started answer finds it gone
         return state.client_response

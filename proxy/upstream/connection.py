@@ -1,18 +1,30 @@
 """One keep-alive HTTP/1.1 connection to the engine: a state machine over llhttp (`httptools`).
 
-A connection carries one exchange at a time and moves through these states:
+A connection carries one exchange at a time. Its legal moves are one table (`TRANSITIONS`,
+as h11's `_state.py` keeps them): a state and an event give the next state, and an event the
+table has no move for is tether's bug, raised at once (`ConnectionStateError`), never a
+silent state. The table, drawn (tests/test_upstream_connection.py fails when the two differ):
 
-    IDLE ──begin──▶ SENDING ──request_written──▶ AWAITING_HEAD ──final head──▶ READING_BODY
-                       │                               │                          │
-                       └──────── final head (an early answer) ───────────────────▶│
-                                                       │                          ▼
-                         DONE_REUSABLE (back to the pool: IDLE)  or  DONE_CLOSING ──▶ CLOSED
-                                                       │
-                                   101, asked for ─────┴──▶ UPGRADED ──▶ CLOSED
+    idle            ──begin───────────▶ sending
+    sending         ──request_written─▶ awaiting_head
+    sending         ──final_head──────▶ reading_body
+    awaiting_head   ──final_head──────▶ reading_body
+    awaiting_head   ──switched────────▶ upgraded
+    reading_body    ──response_end────▶ response_read
+    response_read   ──keep────────────▶ done_reusable
+    done_reusable   ──park────────────▶ idle
+    closed          ──close───────────▶ closed
+    any other state ──close───────────▶ done_closing
+    any state       ──lost────────────▶ closed
 
-Any state ends in CLOSED when the transport goes, a reply is not valid HTTP/1.1, or tether
-lets go of the exchange. Which of the two DONE states an ended response leads to is decided
-in one place (`_end_of_response`), and only there: a connection is reused when
+`final_head` from `sending` is an early answer (a 401, 404 or 413 before the whole body);
+1xx heads are not final and move nothing; `switched` is a 101 to an exchange that asked for a
+WebSocket; `response_end` is llhttp reading the response to its end (a HEAD response's: its
+head); `close` is tether letting go (or a reply that failed); `lost`, the transport gone.
+
+Which of the two ends a read response leads to (`keep`, or `close`) is decided in one place
+(`_end_of_response`) from one flag, `_keep_alive` (as h11's), which every exchange starts with
+and whatever rules reuse out clears where it is found. A connection is reused when
 
 - the whole request was handed to the socket before the engine's final head arrived (an
   engine that answers early, a 401, 404 or 413, discards the rest of the body by its length;
@@ -42,13 +54,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from enum import Enum
-from typing import Protocol, cast
+from enum import StrEnum
+from typing import Final, Protocol, cast
 
 import httptools
 from multidict import CIMultiDict, istr
+from mypy_extensions import mypyc_attr
 
 from ..errors import (
+    InternalError,
     TetherError,
     UpstreamBrokenError,
     UpstreamProtocolError,
@@ -63,19 +77,62 @@ _CONTENT_LENGTH = istr("Content-Length")
 _TRANSFER_ENCODING = istr("Transfer-Encoding")
 
 
-class ConnectionState(Enum):
+# StrEnums: a (state, event) key hashes as its two strings do, in C, once per move.
+class ConnectionState(StrEnum):
     IDLE = "idle"
     SENDING = "sending"
     AWAITING_HEAD = "awaiting_head"
     READING_BODY = "reading_body"
+    RESPONSE_READ = "response_read"  # to its end; the rest of the same read decides reuse
     DONE_REUSABLE = "done_reusable"
     DONE_CLOSING = "done_closing"
     UPGRADED = "upgraded"  # a WebSocket: bytes both ways, unparsed, until it closes
     CLOSED = "closed"
 
 
-# Where request bytes may still go out: the request itself, or a WebSocket's frames.
-_WRITABLE = frozenset({ConnectionState.SENDING, ConnectionState.UPGRADED})
+class ConnectionEvent(StrEnum):
+    BEGIN = "begin"
+    REQUEST_WRITTEN = "request_written"
+    FINAL_HEAD = "final_head"
+    SWITCHED = "switched"
+    RESPONSE_END = "response_end"
+    KEEP = "keep"
+    PARK = "park"
+    CLOSE = "close"
+    LOST = "lost"
+
+
+def _transitions() -> dict[tuple[ConnectionState, ConnectionEvent], ConnectionState]:
+    state, event = ConnectionState, ConnectionEvent
+    table = {
+        (state.IDLE, event.BEGIN): state.SENDING,
+        (state.SENDING, event.REQUEST_WRITTEN): state.AWAITING_HEAD,
+        (state.SENDING, event.FINAL_HEAD): state.READING_BODY,  # an early answer
+        (state.AWAITING_HEAD, event.FINAL_HEAD): state.READING_BODY,
+        (state.AWAITING_HEAD, event.SWITCHED): state.UPGRADED,
+        (state.READING_BODY, event.RESPONSE_END): state.RESPONSE_READ,
+        (state.RESPONSE_READ, event.KEEP): state.DONE_REUSABLE,
+        (state.DONE_REUSABLE, event.PARK): state.IDLE,
+        (state.CLOSED, event.CLOSE): state.CLOSED,
+    }
+    for each in ConnectionState:
+        if each is not state.CLOSED:
+            table[each, event.CLOSE] = state.DONE_CLOSING
+        table[each, event.LOST] = state.CLOSED
+    return table
+
+
+# Every legal move: (state, event) -> the next state. The module docstring draws it.
+TRANSITIONS: Final = _transitions()
+
+
+# (mypyc compiles no subclass of a built-in exception but as a regular Python class.)
+@mypyc_attr(native_class=False)
+class ConnectionStateError(RuntimeError):
+    """An event the connection's table has no move for in its state: a bug in tether."""
+
+    def __init__(self, state: ConnectionState, event: ConnectionEvent) -> None:
+        super().__init__(f"the engine connection has no move for {event} in state {state}")
 
 
 class ResponseHead:
@@ -114,11 +171,8 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "_body",
         "_body_ends_at_close",
-        "_bytes_after",
         "_deliver",
         "_drained",
-        "_ended",
-        "_final_head",
         "_head_only",
         "_head_size",
         "_headers",
@@ -128,9 +182,6 @@ class UpstreamConnection(asyncio.Protocol):
         "_on_reusable",
         "_parser",
         "_reason",
-        "_request_complete",
-        "_reuse_forbidden",
-        "_trailers",
         "_unparsed_head",
         "_upgrade_asked",
         "_write_paused",
@@ -167,15 +218,10 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_size = self._unparsed_head = 0
         self._head_only = False
         self._upgrade_asked = False
-        # The whole request went to the socket before the engine's final head arrived: an
-        # early answer leaves it False for good (sending stops at the head).
-        self._request_complete = False
-        self._reuse_forbidden = False
-        self._trailers = False
-        self._bytes_after = False  # something followed the response in the same read
-        self._final_head = False
-        self._ended = False  # llhttp read the final response to its end
-        self._keep_alive = False
+        # The connection may go back to the pool when this exchange ends: cleared by an
+        # early answer, a response to HEAD, llhttp's keep-alive verdict, trailer fields,
+        # bytes after the response, and `forbid_reuse`.
+        self._keep_alive = True
         self._body_ends_at_close = False
         self._headers = []
         self._reason = b""
@@ -190,16 +236,15 @@ class UpstreamConnection(asyncio.Protocol):
         head_only: bool,
         upgrade: bool = False,
     ) -> None:
-        """IDLE → SENDING: carry `listener`'s exchange, its response body going to
-        `body_receiver` one call per read. `head_only` for HEAD requests; `upgrade` for a
-        request asking for a WebSocket (a 101 then makes the connection its pipe)."""
-        assert self.state is ConnectionState.IDLE and self._listener is None
+        """`begin`: carry `listener`'s exchange, its response body going to `body_receiver`
+        one call per read. `head_only` for HEAD requests; `upgrade` for a request asking for
+        a WebSocket (a 101 then makes the connection its pipe)."""
+        self._move(ConnectionEvent.BEGIN)
         self._reset_exchange()
         self._listener = listener
         self._deliver = body_receiver
         self._head_only = head_only
         self._upgrade_asked = upgrade
-        self.state = ConnectionState.SENDING
 
     def deliver_body_to(self, body_receiver: Callable[[bytes], None]) -> None:
         """From now on the response body goes to `body_receiver`."""
@@ -207,9 +252,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._deliver = body_receiver
 
     def park(self, now: float) -> None:
-        """DONE_REUSABLE → IDLE: in the pool, waiting for the next exchange."""
-        assert self.state is ConnectionState.DONE_REUSABLE
-        self.state = ConnectionState.IDLE
+        """`park`: in the pool, waiting for the next exchange."""
+        self._move(ConnectionEvent.PARK)
         self.idle_since = now
 
     @property
@@ -218,7 +262,12 @@ class UpstreamConnection(asyncio.Protocol):
         return self.state is ConnectionState.SENDING
 
     def write(self, data: bytes) -> None:
-        if self.transport is not None and self.state in _WRITABLE:
+        """Request bytes, or a WebSocket's frames: dropped once the engine answered or the
+        connection closed."""
+        state = self.state
+        if self.transport is not None and (
+            state is ConnectionState.SENDING or state is ConnectionState.UPGRADED
+        ):
             self.transport.write(data)
 
     @property
@@ -231,10 +280,9 @@ class UpstreamConnection(asyncio.Protocol):
         return self._write_paused
 
     def request_written(self) -> None:
-        """SENDING → AWAITING_HEAD: the last byte of the request went to the socket."""
-        if self.state is ConnectionState.SENDING:
-            self._request_complete = True
-            self.state = ConnectionState.AWAITING_HEAD
+        """`request_written`: the last byte of the request went to the socket (called only
+        while `sending`: an engine that answered first stopped the sending)."""
+        self._move(ConnectionEvent.REQUEST_WRITTEN)
 
     async def drain(self) -> None:
         """Until the engine has read enough of what was written (TCP flow control)."""
@@ -256,14 +304,13 @@ class UpstreamConnection(asyncio.Protocol):
 
     def forbid_reuse(self) -> None:
         """Whatever happens now, this exchange's end closes the connection."""
-        self._reuse_forbidden = True
+        self._keep_alive = False
 
     def close(self) -> None:
-        """Let go of the exchange (it hears nothing more) and close the connection."""
+        """`close`: let go of the exchange (it hears nothing more) and close the connection."""
         self._listener = None
         self._deliver = _nowhere
-        if self.state is not ConnectionState.CLOSED:
-            self.state = ConnectionState.DONE_CLOSING
+        self._move(ConnectionEvent.CLOSE)
         if self.transport is not None:
             self.transport.close()
 
@@ -297,26 +344,30 @@ class UpstreamConnection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             self._deliver_body()  # what arrived before the fault still goes where it belongs
-            if self._ended:
+            if self.state is ConnectionState.RESPONSE_READ:
                 # The response was complete; llhttp stopped at what followed it (a stray
                 # response, bytes after `Connection: close`): the response stands, the
                 # connection does not.
-                self._bytes_after = True
+                self._keep_alive = False
                 self._end_of_response()
                 return
             # A callback below that refused the reply raised a TetherError, which llhttp
-            # reports as the context of its own error.
+            # reports as the context of its own error; one that met a move the table does not
+            # have is tether's bug, never the engine's.
             cause = exc.__context__
-            self._fail(
-                cause
-                if isinstance(cause, TetherError)
-                else UpstreamProtocolError(
-                    f"the engine's reply is not valid HTTP/1.1 ({exc.__class__.__name__})"
+            if isinstance(cause, TetherError):
+                self._fail(cause)
+            elif isinstance(cause, ConnectionStateError):
+                self._fail(InternalError(str(cause)))
+            else:
+                self._fail(
+                    UpstreamProtocolError(
+                        f"the engine's reply is not valid HTTP/1.1 ({exc.__class__.__name__})"
+                    )
                 )
-            )
             return
         self._deliver_body()
-        if self._ended:
+        if self.state is ConnectionState.RESPONSE_READ:
             self._end_of_response()
         elif self.state is not ConnectionState.READING_BODY and self._listener is not None:
             # llhttp buffers a header that has not ended yet without bound: whatever arrived
@@ -326,8 +377,8 @@ class UpstreamConnection(asyncio.Protocol):
                 self._fail(_head_too_large())
 
     def connection_lost(self, exc: Exception | None) -> None:
-        upgraded = self.state is ConnectionState.UPGRADED
-        self.state = ConnectionState.CLOSED
+        was = self.state
+        self._move(ConnectionEvent.LOST)
         self.transport = None
         self._on_closed(self)
         if self._drained is not None and not self._drained.done():
@@ -337,9 +388,12 @@ class UpstreamConnection(asyncio.Protocol):
         self._deliver = _nowhere
         if listener is None:
             return
-        if upgraded or (self._final_head and self._body_ends_at_close):
+        # An exchange still listening is in one of four states: it ends as they say.
+        if was is ConnectionState.UPGRADED or (
+            was is ConnectionState.READING_BODY and self._body_ends_at_close
+        ):
             listener.on_end()  # the body was delimited by the close
-        elif self._final_head:
+        elif was is ConnectionState.READING_BODY:
             listener.on_error(UpstreamBrokenError("the engine's response broke off"))
         elif self.received:
             listener.on_error(
@@ -361,7 +415,7 @@ class UpstreamConnection(asyncio.Protocol):
     # --- llhttp callbacks --------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self._ended:
+        if self.state is ConnectionState.RESPONSE_READ:
             raise _ResponseOver()  # a further message in the same read: not ours to parse
 
     def on_status(self, reason: bytes) -> None:
@@ -370,7 +424,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.state is ConnectionState.READING_BODY:
-            self._trailers = True  # a trailer field: dropped, and the connection with it
+            self._keep_alive = False  # a trailer field: dropped, and the connection with it
             return
         self._count_head(len(name) + len(value) + 4)
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
@@ -382,8 +436,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._head_size = self._unparsed_head = 0
         if status == 101 and self._upgrade_asked:
             _check_upgrade(headers)
-            self._final_head = True
-            self.state = ConnectionState.UPGRADED
+            self._move(ConnectionEvent.SWITCHED)
             if self._listener is not None:
                 self._listener.on_head(ResponseHead(status, reason, headers))
             return
@@ -393,55 +446,58 @@ class UpstreamConnection(asyncio.Protocol):
         self._body_ends_at_close = (
             _CONTENT_LENGTH not in headers and _TRANSFER_ENCODING not in headers
         )
-        self._final_head = True
-        self.state = ConnectionState.READING_BODY
+        if self.state is ConnectionState.SENDING:
+            self._keep_alive = False  # an early answer: the request never ended
+        self._move(ConnectionEvent.FINAL_HEAD)
         listener = self._listener
         if listener is not None:
             listener.on_head(ResponseHead(status, reason, headers))
         if self._head_only:
             # A HEAD response has no body, which llhttp cannot know: the message ends here,
-            # and the connection, whose parser now expects one, is not reused (llhttp never
-            # said keep-alive for it).
-            self._ended = True
+            # and the connection, whose parser now expects one, is not reused.
+            self._keep_alive = False
+            self._move(ConnectionEvent.RESPONSE_END)
 
     def on_body(self, body: bytes) -> None:
         # An engine frames every event as its own HTTP chunk; when it outpaces the relay a
         # read holds hundreds of them. The pieces of one read go on together, after it is
         # parsed (`_deliver_body`): one pass through the relay per read, not per event.
-        if not self._ended:
+        # (A HEAD response's "body", which llhttp expects by its length, is dropped.)
+        if self.state is ConnectionState.READING_BODY:
             self._body.append(body)
 
     def on_message_complete(self) -> None:
-        if self.state is not ConnectionState.READING_BODY:
-            return  # the end of a 1xx message
-        if not self._ended:
-            self._ended = True
-            self._keep_alive = self._parser.should_keep_alive()
+        # The end of the response being read; not that of a 1xx message before its final
+        # head, nor that of a HEAD response's expected body.
+        if self.state is ConnectionState.READING_BODY:
+            if not self._parser.should_keep_alive():
+                self._keep_alive = False
+            self._move(ConnectionEvent.RESPONSE_END)
 
     # --- the one decision ------------------------------------------------------------------
 
     def _end_of_response(self) -> None:
-        """The response was read to its end: DONE_REUSABLE back to the pool, or DONE_CLOSING."""
+        """The response was read to its end: `keep` (back to the pool), or `close`."""
         listener = self._listener
         reusable = (
-            self._keep_alive
-            and self._request_complete
-            and not self._trailers
-            and not self._bytes_after
-            and not self._reuse_forbidden
-            and self.transport is not None
-            and not self.transport.is_closing()
+            self._keep_alive and self.transport is not None and not self.transport.is_closing()
         )
         self._listener = None
         self._deliver = _nowhere
         if reusable:
-            self.state = ConnectionState.DONE_REUSABLE
+            self._move(ConnectionEvent.KEEP)
             self.reused = True
             self._on_reusable(self)
         else:
             self.close()
         if listener is not None:
             listener.on_end()
+
+    def _move(self, event: ConnectionEvent) -> None:
+        following = TRANSITIONS.get((self.state, event))
+        if following is None:
+            raise ConnectionStateError(self.state, event)
+        self.state = following
 
     def _deliver_body(self) -> None:
         body = self._body

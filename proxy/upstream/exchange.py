@@ -11,6 +11,11 @@ engine run it twice: the caller says the request is replayable (an idempotent me
 connection was closed before any byte of a response, which is the race of an engine's
 keep-alive timeout. A POST the engine may have read is never resent: its client gets the
 error.
+
+The wait for the end may watch for the engine going silent (TETHER_STREAM_IDLE_TIMEOUT) with
+one timer for the whole response, as the pool watches its idle connections: each read notes
+its time on the loop's clock, and the timer, when it runs out, either finds the silence long
+enough or is re-armed for what is left of it from the last read.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import time
 from collections.abc import AsyncIterable
 from typing import Protocol
 
+from mypy_extensions import mypyc_attr
+
 from ..errors import (
-    ClientGoneError,
     RequestTimeoutError,
     TetherError,
     UpstreamBrokenError,
@@ -37,10 +43,23 @@ _PENDING_LIMIT = 64 * 1024
 RequestBody = bytes | AsyncIterable[bytes] | None
 
 
+# The idle timer runs out up to this early (uvloop's timers count whole milliseconds): a
+# silence this close to the timeout is the timeout, not a reason to re-arm.
+_TIMER_RESOLUTION = 0.001
+
+
 class BodySink(Protocol):
-    """Whatever consumes an exchange's response body, chunk by chunk."""
+    """Whatever consumes an exchange's response body, chunk by chunk. One that can no longer
+    pass bytes on (where it writes to closed) says so with `UpstreamExchange.on_sink_closed`."""
 
     def feed(self, chunk: bytes) -> None: ...
+
+
+# (mypyc compiles no subclass of a built-in exception but as a regular Python class.)
+@mypyc_attr(native_class=False)
+class SinkClosedError(ConnectionError):
+    """The response body's sink stopped taking bytes: where it writes to closed. The
+    exchange's reader decides what that means (the handler's: its client left)."""
 
 
 class UpstreamExchange:
@@ -52,6 +71,9 @@ class UpstreamExchange:
         "_event",
         "_head_only",
         "_holds_upload",
+        "_idle_timeout",
+        "_idle_timer",
+        "_last_data_at",
         "_loop",
         "_pending",
         "_pending_size",
@@ -59,16 +81,15 @@ class UpstreamExchange:
         "_replay",
         "_replayable",
         "_retried",
+        "_silent_too_long",
         "_sink",
+        "_sink_closed",
         "_upgrade",
-        "_watch_silence",
-        "client_gone",
         "complete",
         "ended_at",
         "error",
         "first_body_at",
         "head",
-        "last_data_at",
         "sent",
         "sent_at",
     )
@@ -95,12 +116,16 @@ class UpstreamExchange:
         self.head: ResponseHead | None = None
         self.error: TetherError | None = None
         self.complete = False
-        self.client_gone = False
+        self._sink_closed = False
         self.sent = False  # the whole request reached the engine's socket
         self.sent_at = 0.0  # time.monotonic() it did
-        self._watch_silence = False  # set by a wait with an idle timeout
+        # Watching for silence: the timeout (None: not watched), its one timer, the last
+        # read's time on the loop's clock, and whether the timer found the silence too long.
+        self._idle_timeout: float | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._last_data_at = 0.0
+        self._silent_too_long = False
         self.first_body_at: float | None = None
-        self.last_data_at = 0.0
         self.ended_at: float | None = None
 
     # --- sending ----------------------------------------------------------------------------
@@ -176,7 +201,6 @@ class UpstreamExchange:
     def _attach_connection(self, connection: UpstreamConnection) -> None:
         self._connection = connection
         connection.begin(self, self._on_body, head_only=self._head_only, upgrade=self._upgrade)
-        self.last_data_at = time.monotonic()
 
     async def _resend(self) -> None:
         """The pooled connection was stale: the same request once more, on a new one."""
@@ -209,32 +233,25 @@ class UpstreamExchange:
         return self.head
 
     async def wait_end(self, idle_timeout: float | None = None) -> None:
-        """Until the response ended; raises what went wrong otherwise.
-
-        With an idle timeout, the engine may not go silent for longer than that.
-        """
-        while not self.complete:
-            if self.error is not None:
-                raise self.error
-            if self.client_gone:
-                raise ClientGoneError("a write to the client failed")
-            if idle_timeout is None:
+        """Until the response ended; raises what went wrong otherwise: the engine's failure,
+        `SinkClosedError` once the sink stopped taking bytes, and with an idle timeout
+        `RequestTimeoutError` once the engine was silent for longer than that."""
+        if idle_timeout is not None and not self.ended:
+            self._watch_silence(idle_timeout)
+        try:
+            while not self.complete:
+                if self.error is not None:
+                    raise self.error
+                if self._sink_closed:
+                    raise SinkClosedError("the response body's sink stopped taking bytes")
+                if self._silent_too_long:
+                    raise RequestTimeoutError(
+                        f"the engine sent nothing for TETHER_STREAM_IDLE_TIMEOUT={idle_timeout}s"
+                    )
                 await self._next_event()
-                continue
-            if not self._watch_silence:
-                self._watch_silence = True
-                self.last_data_at = time.monotonic()
-                self._route_body()
-            silent_for = time.monotonic() - self.last_data_at
-            if silent_for >= idle_timeout:
-                raise RequestTimeoutError(
-                    f"the engine sent nothing for TETHER_STREAM_IDLE_TIMEOUT={idle_timeout}s"
-                )
-            try:
-                async with asyncio.timeout(idle_timeout - silent_for):
-                    await self._next_event()
-            except TimeoutError:
-                continue
+        finally:
+            if self._idle_timeout is not None:
+                self._stop_watching()
 
     async def wait_ended(self) -> None:
         """Until the response ended, cleanly or not (for whoever no longer relays it)."""
@@ -254,6 +271,33 @@ class UpstreamExchange:
         event, self._event = self._event, None
         if event is not None and not event.done():
             event.set_result(None)
+
+    def _watch_silence(self, idle_timeout: float) -> None:
+        """From now on every read notes its time, and one timer watches the silence."""
+        self._idle_timeout = idle_timeout
+        self._silent_too_long = False
+        self._last_data_at = now = self._loop.time()
+        self._idle_timer = self._loop.call_at(now + idle_timeout, self._on_idle_timer)
+        self._route_body()
+
+    def _on_idle_timer(self) -> None:
+        """The timer ran out: the engine was silent all along (the wait ends), or it sent
+        something since, and the timer is re-armed for the rest of the silence allowed."""
+        assert self._idle_timeout is not None  # (the wait cancels its timer when it ends)
+        deadline = self._last_data_at + self._idle_timeout
+        if deadline - self._loop.time() > _TIMER_RESOLUTION:
+            self._idle_timer = self._loop.call_at(deadline, self._on_idle_timer)
+            return
+        self._idle_timer = None
+        self._silent_too_long = True
+        self._signal()
+
+    def _stop_watching(self) -> None:
+        self._idle_timeout = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        self._route_body()
 
     def _may_resend(self) -> bool:
         connection = self._connection
@@ -307,9 +351,10 @@ class UpstreamExchange:
         if self._connection is not None:
             self._connection.forbid_reuse()
 
-    def notify_client_gone(self) -> None:
-        """The sink found the client gone: the handler's wait ends."""
-        self.client_gone = True
+    def on_sink_closed(self) -> None:
+        """The sink found where it writes to closed: the wait for the end stops with
+        `SinkClosedError`. The response itself goes on (the sink may still count it)."""
+        self._sink_closed = True
         self._signal()
 
     def close(self) -> None:
@@ -336,8 +381,8 @@ class UpstreamExchange:
         self._signal()
 
     def _on_body(self, chunk: bytes) -> None:
-        if self._watch_silence:
-            self.last_data_at = time.monotonic()
+        if self._idle_timeout is not None:
+            self._last_data_at = self._loop.time()
         if self.first_body_at is None:
             self.first_body_at = time.monotonic()
             self._route_body()
@@ -357,7 +402,7 @@ class UpstreamExchange:
         if connection is None:
             return
         sink = self._sink
-        steady = sink is not None and self.first_body_at is not None and not self._watch_silence
+        steady = sink is not None and self.first_body_at is not None and self._idle_timeout is None
         connection.deliver_body_to(sink.feed if steady and sink is not None else self._on_body)
 
     def on_end(self) -> None:

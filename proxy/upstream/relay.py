@@ -16,6 +16,7 @@ from mypy_extensions import mypyc_attr
 from ..wire.ids import IdMapper
 from ..wire.tokens import TokenCounter
 from ..wire.usage_events import UsageEventFilter
+from .backpressure import ReadPacer
 from .exchange import UpstreamExchange
 
 # Below this a chunk is copied into its chunked framing (one buffer is cheaper to send than
@@ -40,15 +41,14 @@ class ResponseRelay:
     __slots__ = (
         "_buffer",
         "_chunked",
-        "_drain",
         "_exchange",
         "_high_water",
         "_is_sse",
         "_mapper",
         "_mode",
+        "_pacer",
         "_transport",
         "_usage",
-        "_writer",
         "bytes_out",
         "sse_events",
         "tokens",
@@ -68,11 +68,11 @@ class ResponseRelay:
         self._usage = usage
         self._mode = _Mode.HOLD
         self._transport: asyncio.Transport | None = None
-        self._writer: AbstractStreamWriter | None = None
         self._chunked = False
         self._is_sse = False
         self._high_water = 0
-        self._drain: asyncio.Task[None] | None = None
+        # Pauses reading the engine while the client's socket buffer drains.
+        self._pacer: ReadPacer | None = None
         self._buffer: list[bytes] = []
         self.tokens = tokens
         # Token-carrying events that went to the client (set when it leaves; until then
@@ -93,7 +93,7 @@ class ResponseRelay:
     ) -> None:
         """Relay to the client, whose response head already went out through `writer`."""
         self._transport = transport
-        self._writer = writer
+        self._pacer = ReadPacer(self._exchange, writer.drain, self._transport_closed)
         self._chunked = chunked
         self._is_sse = is_sse
         self._high_water = transport.get_write_buffer_limits()[1]
@@ -110,9 +110,8 @@ class ResponseRelay:
             self.tokens_relayed = self.tokens.events if self._mode is _Mode.CLIENT else 0
         self._mode = _Mode.DISCARD
         self._exchange.forbid_reuse()
-        if self._drain is not None:
-            self._drain.cancel()
-            self._drain = None
+        if self._pacer is not None:
+            self._pacer.stop()
         self._exchange.resume_reading()
 
     # --- the hot path ----------------------------------------------------------------------
@@ -136,7 +135,7 @@ class ResponseRelay:
         transport = self._transport
         assert transport is not None
         if transport.is_closing():
-            self._client_left()
+            self._transport_closed()
             return
         if not self._chunked:
             transport.write(chunk)
@@ -147,26 +146,17 @@ class ResponseRelay:
         self.bytes_out += len(chunk)
         if self._is_sse:
             self.sse_events += chunk.count(b"\n\n")
-        if transport.get_write_buffer_size() > self._high_water and self._drain is None:
+        if transport.get_write_buffer_size() > self._high_water:
             # The client reads slower than the engine writes: stop reading the engine until
             # the client's socket drains (TCP flow control then paces the engine).
-            self._exchange.pause_reading()
-            self._drain = asyncio.get_running_loop().create_task(self._resume_when_drained())
+            assert self._pacer is not None
+            self._pacer.pause_until_drained()
 
-    async def _resume_when_drained(self) -> None:
-        assert self._writer is not None
-        try:
-            await self._writer.drain()
-        except ConnectionError:
-            self._client_left()
-            return
-        finally:
-            self._drain = None
-        self._exchange.resume_reading()
-
-    def _client_left(self) -> None:
+    def _transport_closed(self) -> None:
+        """Where the body goes closed: relaying stops, and the exchange's reader hears of it
+        (the handler takes it for its client leaving)."""
         self.discard()
-        self._exchange.notify_client_gone()
+        self._exchange.on_sink_closed()
 
     # --- the end ---------------------------------------------------------------------------
 
@@ -185,7 +175,7 @@ class ResponseRelay:
         transport = self._transport
         assert transport is not None
         if transport.is_closing():
-            self._client_left()
+            self._transport_closed()
             return
         transport.write(b"%x\r\n%b\r\n" % (len(tail), tail) if self._chunked else tail)
         self.bytes_out += len(tail)

@@ -22,6 +22,9 @@ For every suite:
 - `waiting`: `poll_until(condition, timeout)`, `within(awaitable, timeout, what)`, and the
   blocking `wait_until(predicate, timeout, what)`.
 - `net`: `free_port()`, `free_ports(count)`.
+- `fake_transport`: tether's protocols without sockets: `FakeTransport`, `FakeEngine` (the
+  pool's connector), `FakeWriter` (a client writer whose drain the test decides),
+  `SteppedClockLoop` (a clock the test moves) and `settle()`.
 - `smg`: SGLang's model gateway as the real router in front of tether or an engine.
 - `canaries`: the prompt text and secret the tests send, which must never reach a log.
 - `collected_log`: every log line of a test run (in-process and subprocess tethers) in one file.
