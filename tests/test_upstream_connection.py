@@ -25,6 +25,8 @@ from proxy.upstream.connection import ConnectionState, ResponseHead, UpstreamCon
 from proxy.upstream.exchange import UpstreamExchange
 from proxy.upstream.pool import UploadLimit, UpstreamPool
 
+pytestmark = pytest.mark.socket_free
+
 
 class FakeTransport:
     """What a connection writes, and its close, which (as asyncio's transports do) reaches
