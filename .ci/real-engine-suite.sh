@@ -69,7 +69,7 @@ status=0
 pin=()
 if command -v taskset >/dev/null && (($(nproc) > 1)); then pin=(taskset -c 0); fi
 env "TETHER_${ENGINE}_TESTS=1" timeout -k 30 "$budget" "${pin[@]}" "$PYTHON" -m pytest \
-  "tests/real_$engine" -m "$engine" -v -p no:cacheprovider || status=$?
+  "tests/real_$engine" --stage "$engine" -v -p no:cacheprovider || status=$?
 if ((status != 0)); then
   for log in "$log_dir"/*.log; do
     [[ -f "$log" ]] || continue
