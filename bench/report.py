@@ -310,7 +310,7 @@ def many_streams_check(results: Results) -> Check | None:
 
 
 def targets(results: Results) -> list[Check]:
-    """Issue 15's targets for tether, each judged on this run's figures."""
+    """The targets for tether (bench/README.md, "Targets"), each judged on this run's figures."""
     paced = paced_name(results, "paced") if "paced" in results else ""
     # Saturated streaming: every relay but the single stream's (64 and 512 in the full run).
     saturated = [w for w in results if w.startswith("relay_") and w != "relay_1"]

@@ -73,9 +73,10 @@ FULL = Profile(
     # A short answer's stream: what a streaming request costs beyond its events shows.
     short_stream_events=16,
     abort_streams=1000,
-    # 20,000 events/s in all, issue 15's figure: an abort must get through while the relay
-    # is busy. Before issue 15 this saturated tether's core (aborts queued behind chunks for
-    # seconds), so the workload also reports the pace the relay kept with every stream open.
+    # 20,000 events/s in all, the abort target's figure: an abort must get through while the
+    # relay is busy. Until 2026-12-01 this saturated tether's core (aborts queued behind
+    # chunks for seconds), so the workload also reports the pace the relay kept with every
+    # stream open.
     abort_rate=20.0,
     abort_warmup_s=0.5,
     abort_window_s=1.0,

@@ -1,7 +1,8 @@
 """Fixtures: self-cleaning factories (settings that never read the environment, a fake engine
 that records what it saw, tether run by the production runner in-process or as the real
-process) and the hooks that collect every log line. What the fixtures return, and the request
-helpers every test file uses, live in `tests.support`.
+process), the hooks that collect every log line, and `--stage` (the stages CI runs the tests
+in: `tests.support.stages`). What the fixtures return, and the request helpers every test file
+uses, live in `tests.support`.
 
 Every log line tether writes during the run, here or in a process a test starts, is also
 collected into one file (`tests.support.collected_log`) for the canary grep."""
@@ -35,6 +36,7 @@ from .support.processes import (
     start_tether_process,
 )
 from .support.settings import SettingsFactory, make_settings
+from .support.stages import STAGES, StagePlugin
 from .support.upstreams import (
     UPSTREAM_LOGGER,
     FakeEngineFactory,
@@ -46,10 +48,22 @@ from .support.upstreams import (
 _COLLECTED_LOG = pytest.StashKey[CollectedLog]()
 
 
+# --- the stages CI runs the tests in -----------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--stage",
+        choices=STAGES,
+        help="run only this stage's tests (tests/support/stages.py); the soak needs -m soak too",
+    )
+
+
 # --- the collected log ------------------------------------------------------------------------
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(StagePlugin(config.getoption("stage")), "tether-stages")
     log = CollectedLog(log_file())
     config.stash[_COLLECTED_LOG] = log
     # In-process tether logs as production does (its processors, JSON), at debug level so every

@@ -25,6 +25,7 @@ TOKEN_INTERVAL = 0.01  # one engine step
 LEAVERS = 24
 
 
+@pytest.mark.socket_free
 def test_the_window_is_the_engines_steps_measured_on_its_streams() -> None:
     """vLLM's window is two engine steps (plus 10 ms for the call's way back), at least 50 ms:
     the stream's own step where it was measured, else the moving average of recent streams'
@@ -40,6 +41,7 @@ def test_the_window_is_the_engines_steps_measured_on_its_streams() -> None:
     assert FrontEnd(rule, cap=0.1).window(0.5) == 0.1
 
 
+@pytest.mark.socket_free
 def test_two_misses_in_eight_drop_at_once_for_a_minute_sampling_one_in_sixteen() -> None:
     """One slow confirmation is not a pattern; a second miss among the last eight is: from
     then on a front end gets the plain close, except every sixteenth stop, which still waits

@@ -97,6 +97,7 @@ def spellings(path: str) -> list[str]:
     ]
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("engine", [Engine.VLLM, Engine.SGLANG, Engine.GENERIC, Engine.NONE])
 def test_every_control_route_of_the_real_engines_is_blocked_in_every_spelling(
     engine: Engine,
@@ -110,6 +111,7 @@ def test_every_control_route_of_the_real_engines_is_blocked_in_every_spelling(
     assert missed == []
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("engine", [Engine.VLLM, Engine.SGLANG])
 def test_the_engines_public_routes_are_neither_blocked_nor_left_out_of_public(
     engine: Engine,
@@ -122,6 +124,7 @@ def test_the_engines_public_routes_are_neither_blocked_nor_left_out_of_public(
     assert [path for path in CONTROL[engine] if is_allowed(path, public)] == []
 
 
+@pytest.mark.socket_free
 def test_normalisation_is_stable() -> None:
     """Normalising twice changes nothing."""
     for path in VLLM_0_32_CONTROL + SGLANG_0_5_23_CONTROL:
@@ -129,6 +132,7 @@ def test_normalisation_is_stable() -> None:
             assert normalised_path(normalised_path(spelling)) == normalised_path(spelling)
 
 
+@pytest.mark.socket_free
 def test_an_allowlist_matches_whole_segments() -> None:
     """`/v1/responses` allows the handle routes below it, never a sibling sharing its start."""
     allowed = ("/v1/responses", "/health")
@@ -138,6 +142,7 @@ def test_an_allowlist_matches_whole_segments() -> None:
     assert not is_allowed("/healthz", allowed)
 
 
+@pytest.mark.socket_free
 def test_the_profile_takes_the_operators_lists_over_the_built_in_ones() -> None:
     """TETHER_BLOCKED_PATHS replaces the built-in block list; `public` expands to the
     engine's routes."""
@@ -147,6 +152,7 @@ def test_the_profile_takes_the_operators_lists_over_the_built_in_ones() -> None:
     assert profile.allowed_paths == public_routes(Engine.VLLM)
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("engine", list(Engine))
 def test_every_known_engines_control_routes_are_refused_whatever_the_profile(
     engine: Engine,
@@ -161,12 +167,14 @@ def test_every_known_engines_control_routes_are_refused_whatever_the_profile(
     assert [s for path in every for s in spellings(path) if not is_blocked(s, blocked)] == []
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("engine", [Engine.VLLM, Engine.SGLANG])
 def test_no_engines_public_route_is_among_the_refused(engine: Engine) -> None:
     """What any engine's clients use passes the union of every engine's control routes."""
     assert [p for p in PUBLIC[engine] if is_blocked(p, refused_control_routes())] == []
 
 
+@pytest.mark.socket_free
 def test_a_control_route_the_operator_names_allowed_is_not_refused() -> None:
     """TETHER_ALLOWED_PATHS naming a control route (or one below it) lets that route
     through the union; the allowlist still refuses everything else."""

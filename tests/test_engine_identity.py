@@ -53,6 +53,7 @@ TGI = {"/info": {"model_id": "tiny", "router": "text-generation-router", "versio
 OLLAMA = {"/api/version": {"version": "0.31.2"}}
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize(
     ("answers", "expected"),
     [

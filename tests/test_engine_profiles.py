@@ -17,6 +17,8 @@ from proxy.observe.metrics import route_label
 
 from .support.settings import make_settings
 
+pytestmark = pytest.mark.socket_free
+
 # Settings each engine needs to start (generic has no abort call of its own).
 NEEDS = {Engine.GENERIC: {"abort_url": "/abort/{internal_request_id}"}}
 # The facts every engine's module states (declared, without a value, on the base).

@@ -156,6 +156,7 @@ async def test_vllm_anthropic_messages_bodies_are_not_rewritten(
     assert len(recorder.headers[0]["X-Request-Id"]) == 32
 
 
+@pytest.mark.socket_free
 def test_every_named_engine_id_contains_tethers_id() -> None:
     """The table's engine IDs are built from tether's ID (never the client's), and the
     routes that carry tokens say how."""
@@ -167,6 +168,7 @@ def test_every_named_engine_id_contains_tethers_id() -> None:
                 assert route.tokens is not TokenShape.NONE or route.path == "/vertex_generate"
 
 
+@pytest.mark.socket_free
 def test_read_only_requests_outside_the_table_have_nothing_to_abort() -> None:
     """A GET the table does not know (models, metrics, health) is no work to stop; any other
     method is, and is counted `unknown_route`."""

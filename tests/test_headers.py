@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
@@ -14,6 +15,8 @@ from proxy.wire.headers import (
 )
 
 from .support.canaries import CANARY_SECRET
+
+pytestmark = pytest.mark.socket_free
 
 # The oracle, written out rather than taken from the code under test: RFC 9110 §7.6.1's
 # connection-specific fields and the non-standard ones proxies still see.

@@ -8,7 +8,11 @@ import ast
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import pytest
+
 import proxy
+
+pytestmark = pytest.mark.socket_free
 
 ROOT = Path(proxy.__file__).parent
 

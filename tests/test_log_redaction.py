@@ -31,6 +31,7 @@ def redact(**event: object) -> dict[str, object]:
     return loaded
 
 
+@pytest.mark.socket_free
 def test_credential_fields_are_masked_and_content_fields_dropped() -> None:
     """By name, at any depth (a headers dict), whatever the case or spelling."""
     event = redact(
@@ -47,6 +48,7 @@ def test_credential_fields_are_masked_and_content_fields_dropped() -> None:
     }
 
 
+@pytest.mark.socket_free
 def test_a_record_of_known_plain_fields_is_still_cleaned_when_it_changes() -> None:
     """The redactor learns which field names are plain, so that tether's own lines skip the
     field-by-field look: a record with those names and one more, or a nested value, is still
@@ -65,6 +67,7 @@ def test_a_record_of_known_plain_fields_is_still_cleaned_when_it_changes() -> No
     }
 
 
+@pytest.mark.socket_free
 def test_secrets_inside_text_are_masked() -> None:
     """Bearer tokens, URL user-info and the configured secrets, wherever a message quotes
     them (an exception's text, a raw protocol line)."""
@@ -81,6 +84,7 @@ def test_secrets_inside_text_are_masked() -> None:
 SHORT = Redactor(["abc"])
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize(
     ("text", "masked"),
     [
@@ -177,6 +181,7 @@ async def test_every_error_path_logs_no_prompt_and_no_secret(
     assert_nothing_leaked(output)
 
 
+@pytest.mark.socket_free
 def test_tether_started_line_hides_credentials_in_the_upstream_url() -> None:
     """A URL with user-info (basic auth to an engine behind a proxy) is logged without it."""
     event = redact(event="tether_started", upstream_url="https://user:pass@engine:8000")

@@ -11,6 +11,7 @@ import threading
 from datetime import UTC, datetime
 
 import aiohttp
+import pytest
 
 from proxy.observe.logging import LoopTurnLines
 
@@ -83,6 +84,7 @@ class _Writes:
             self._buffer = ""
 
 
+@pytest.mark.socket_free
 async def test_lines_of_one_loop_turn_go_out_together_in_order_and_whole() -> None:
     """The log stream: a turn's lines wait for its end, then go out in order, in writes no
     longer than PIPE_BUF (workers share a pipe; a longer write could be cut into by

@@ -12,6 +12,8 @@ from proxy.request.state import RequestState
 
 from .support.settings import make_settings
 
+pytestmark = pytest.mark.socket_free
+
 SGLANG = engine_profile(make_settings(), Engine.SGLANG)
 
 

@@ -40,6 +40,7 @@ def _errors_raised() -> list[type[TetherError]]:
     return found
 
 
+@pytest.mark.socket_free
 def test_every_error_has_its_row_in_the_status_table() -> None:
     """An error class added without a status, type, code and level fails here, not as a
     request that finds no row in production; and no row names a class that is not raised."""
@@ -48,6 +49,7 @@ def test_every_error_has_its_row_in_the_status_table() -> None:
     assert all(kind.__module__ == errors.__name__ for kind in raised)
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("kind", sorted(ERROR_KINDS, key=str))
 def test_every_error_answer_is_built_from_its_row(kind: type[TetherError]) -> None:
     """Status, OpenAI-style body, the echoed ID, `Retry-After` and the connection's close
@@ -69,6 +71,7 @@ def test_every_error_answer_is_built_from_its_row(kind: type[TetherError]) -> No
     assert response.keep_alive is (False if row.closes_connection else None)
 
 
+@pytest.mark.socket_free
 async def test_stopping_from_outside_ends_a_request_once() -> None:
     """`RequestState.stop` cancels the handler with the reason it will be reported as, and
     says so only for a request not already ending."""

@@ -30,6 +30,7 @@ from .support.upstreams import FakeEngineFactory
 # --- pure: minting, checking, rewriting -------------------------------------------------------
 
 
+@pytest.mark.socket_free
 def test_internal_ids_are_fixed_length_hex_and_unique() -> None:
     """Internal IDs are 32 hex characters (prefix-free, never `_<digit>`) and never repeat."""
     minter = IdMinter()
@@ -38,6 +39,7 @@ def test_internal_ids_are_fixed_length_hex_and_unique() -> None:
     assert all(re.fullmatch(r"[0-9a-f]{32}", value) for value in ids)
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
@@ -55,12 +57,14 @@ def test_unusable_client_ids_are_refused_with_a_reason(value: str, problem: str)
         check_client_request_id(value)
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("value", ["abc", "x" * 256, 'quote"and\\backslash', "req-1_2.3:4/5"])
 def test_visible_ascii_client_ids_up_to_256_are_accepted(value: str) -> None:
     """Any visible ASCII ID up to 256 characters is the client's to choose."""
     assert check_client_request_id(value) == value
 
 
+@pytest.mark.socket_free
 def test_body_fields_are_set_and_every_other_byte_kept() -> None:
     """Writing the ID into a JSON body replaces only that field's value: every other byte
     (spacing, key order, number spellings, escapes, a router's `kv_transfer_params`) is as the
@@ -75,6 +79,7 @@ def test_body_fields_are_set_and_every_other_byte_kept() -> None:
     assert edited == body.replace(b'"client"', b'"internal"')
 
 
+@pytest.mark.socket_free
 def test_a_missing_field_is_added_first_and_a_repeated_one_set_everywhere() -> None:
     """An absent field goes in right after the opening brace; a name written twice (which
     json.loads reads as its last) gets tether's value in both places."""
@@ -85,6 +90,7 @@ def test_a_missing_field_is_added_first_and_a_repeated_one_set_everywhere() -> N
     assert twice.with_members({"rid": "x"}) == b'{"rid": "x", "rid": "x"}'
 
 
+@pytest.mark.socket_free
 def test_a_dotted_field_is_set_inside_its_object_or_makes_one() -> None:
     """`parameters.rid` sets a member of `parameters`, keeping its other bytes; where
     `parameters` is missing or not an object, it becomes one."""
@@ -102,6 +108,7 @@ def test_a_dotted_field_is_set_inside_its_object_or_makes_one() -> None:
     }
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32"])
 def test_a_body_in_another_utf_is_read_and_written_as_utf8(encoding: str) -> None:
     """A body json.loads reads (another UTF, a BOM) is edited too, and goes out as UTF-8."""
@@ -114,6 +121,7 @@ def test_a_body_in_another_utf_is_read_and_written_as_utf8(encoding: str) -> Non
     }
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize(
     "body", [b"{not json", b"[1, 2]", b"\xff\xfe", b'{"a": 1} trailing', b'"text"', b"", b"{"]
 )
@@ -132,6 +140,7 @@ _json_values = st.recursive(
 )
 
 
+@pytest.mark.socket_free
 @given(
     st.dictionaries(st.text(max_size=8), _json_values, max_size=6),
     st.dictionaries(st.sampled_from(["rid", "request_id", "stream_options"]), _json_values),
@@ -163,6 +172,7 @@ def _map_in_pieces(internal: str, client: str, data: bytes, cuts: list[int]) -> 
     return b"".join(out)
 
 
+@pytest.mark.socket_free
 @given(
     client=st.text(
         alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=40
@@ -181,6 +191,7 @@ def test_mapping_back_is_independent_of_chunk_boundaries(
     assert _map_in_pieces(internal, client, data, cuts) == expected
 
 
+@pytest.mark.socket_free
 def test_mapped_ids_stay_valid_json_whatever_the_client_id() -> None:
     """Quotes and backslashes in the client's ID are escaped inside JSON strings."""
     internal = IdMinter().mint()
@@ -189,6 +200,7 @@ def test_mapped_ids_stay_valid_json_whatever_the_client_id() -> None:
     assert json.loads(mapped) == {"id": 'chatcmpl-a"b\\c'}
 
 
+@pytest.mark.socket_free
 def test_mapper_holds_back_nothing_at_an_event_boundary() -> None:
     """A chunk ending in a blank line is passed on whole: no added latency for SSE."""
     internal = IdMinter().mint()

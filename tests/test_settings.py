@@ -109,6 +109,7 @@ def test_help_lists_every_variable_with_its_default(collected_log: CollectedLog)
     assert "X-Request-Id" in result.stdout and "(required)" in result.stdout
 
 
+@pytest.mark.socket_free
 def test_defaults_match_the_documented_ones() -> None:
     """Unset variables take the documented defaults."""
     settings = make_settings(
@@ -122,6 +123,7 @@ def test_defaults_match_the_documented_ones() -> None:
     assert settings.allowed_paths is None
 
 
+@pytest.mark.socket_free
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Production reads TETHER_* variables; lists are comma-separated."""
     monkeypatch.setenv("TETHER_UPSTREAM_URL", "http://engine:8000/")
@@ -135,6 +137,7 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert settings.request_timeout == 12.5
 
 
+@pytest.mark.socket_free
 def test_empty_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty value (as Helm and compose render unset ones) means the default: it never
     empties the block list or configures an empty admin token."""
@@ -146,6 +149,7 @@ def test_empty_variables_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None
     assert settings.admin_token is None and settings.request_timeout is None
 
 
+@pytest.mark.socket_free
 def test_choices_are_case_insensitive() -> None:
     """`INFO`, `Console` and `VLLM` are accepted like their lower-case names."""
     settings = make_settings(log_level="INFO", log_format="Console", engine="VLLM")
@@ -156,6 +160,7 @@ def test_choices_are_case_insensitive() -> None:
     )
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize("field", ["admin_token", "upstream_admin_key"])
 def test_blank_secrets_are_refused(field: str) -> None:
     """A token of blanks is a mistake, not a token."""

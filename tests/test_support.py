@@ -16,6 +16,8 @@ from .support.leak_check import find_leaks, main
 from .support.metrics import histogram_quantile, metric, metric_in_text, parse_metrics
 from .support.waiting import poll_until, wait_until, within
 
+pytestmark = pytest.mark.socket_free
+
 
 def _registry() -> CollectorRegistry:
     registry = CollectorRegistry()
@@ -185,6 +187,25 @@ def test_leak_check_refuses_a_log_that_proves_nothing(tmp_path: Path) -> None:
     log.add_lines(subprocess_source(7), '{"event": "request_finished"}')
     log.close()
     assert main([str(path)]) == 0
+
+
+def test_leak_check_reads_the_logs_of_several_stages_as_one(tmp_path: Path) -> None:
+    """Either log may hold the tether processes' lines; a canary in either one fails, and a
+    missing one refuses to pass."""
+    socket_free, sockets = tmp_path / "socket_free.log", tmp_path / "sockets.log"
+    log = CollectedLog(socket_free)
+    log.add_lines(IN_PROCESS, '{"event": "request_finished"}')
+    log.close()
+    log = CollectedLog(sockets)
+    log.add_lines(subprocess_source(7), '{"event": "request_finished"}')
+    log.close()
+    assert main([str(socket_free), str(sockets)]) == 0
+    assert main([str(socket_free), str(tmp_path / "missing.log")]) == 2
+    log = CollectedLog(socket_free)
+    log.mark_test("tests/test_a.py::test_one")
+    log.add_lines(IN_PROCESS, f'{{"event": "x", "prompt": "{CANARY_PROMPT}"}}')
+    log.close()
+    assert main([str(socket_free), str(sockets)]) == 1
 
 
 def test_log_stream_keeps_partial_lines_until_their_end(

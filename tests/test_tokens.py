@@ -8,6 +8,8 @@ import pytest
 from proxy.engines.sglang import GENERATE_TOKENS
 from proxy.wire.tokens import TokenCounter, TokenShape
 
+pytestmark = pytest.mark.socket_free
+
 ROLE = b'data: {"id":"chatcmpl-x","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'  # noqa: E501
 
 

@@ -38,6 +38,8 @@ from proxy.upstream.pool import UploadLimit, UpstreamPool
 
 from .support.fake_transport import FakeEngine, FakeTransport, settle
 
+pytestmark = pytest.mark.socket_free
+
 
 class Heard:
     """What an exchange is told by its connection."""

@@ -22,6 +22,8 @@ EVENT = b"6\r\nevent\n\r\n"
 END = b"0\r\n\r\n"
 IDLE_TIMEOUT = 30.0
 
+pytestmark = pytest.mark.socket_free
+
 
 class Sink:
     def __init__(self) -> None:

@@ -28,6 +28,8 @@ SSE_HEAD = (
 )
 END = b"0\r\n\r\n"
 
+pytestmark = pytest.mark.socket_free
+
 
 def event(n: int, request_id: bytes = INTERNAL) -> bytes:
     """One token event of an OpenAI chat stream, as the engine writes it."""

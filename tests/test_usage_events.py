@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from proxy.wire.usage_events import UsageEventFilter
 
+pytestmark = pytest.mark.socket_free
+
 FINGERPRINT = "fp_3b1c0032"
 
 

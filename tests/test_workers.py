@@ -458,6 +458,7 @@ def test_a_worker_that_fails_to_start_stops_start_up(
     assert "worker_restarted" not in done.stdout
 
 
+@pytest.mark.socket_free
 @pytest.mark.parametrize(
     ("cpu_max", "cpus"), [("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000", 1)]
 )
@@ -529,6 +530,7 @@ def _make_runtime_directory(parent: Path, name: str, *, lock: bool = True) -> Pa
     return path
 
 
+@pytest.mark.socket_free
 def test_only_this_users_unlocked_directories_are_removed(short_tmpdir: Path) -> None:
     """A sweep removes a directory whose lock nobody holds, and leaves one whose lock is held
     (a live supervisor), one without a lock (being made, or an older tether's), another

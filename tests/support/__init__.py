@@ -29,6 +29,8 @@ For every suite:
 - `canaries`: the prompt text and secret the tests send, which must never reach a log.
 - `collected_log`: every log line of a test run (in-process and subprocess tethers) in one file.
 - `leak_check`: `python -m tests.support.leak_check` fails if that file holds a canary.
+- `stages`: the stages CI runs the tests in (`--stage`), every test in exactly one, and the
+  guard that fails a `socket_free` test that opens a socket or starts a process.
 
 `real_engine/`: what the real-vLLM and real-SGLang suites share (their suite description and
 fixtures, stacks, tether in front of a real engine, measurements, real clients).

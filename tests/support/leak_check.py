@@ -1,8 +1,10 @@
-"""`python -m tests.support.leak_check [LOG]`: fail if a test run's collected log holds a canary.
+"""`python -m tests.support.leak_check [LOG ...]`: fail if a test run's collected log holds a
+canary.
 
-Run after the suite (`.ci/run` does). Exit codes: 0 clean; 1 a canary was logged (the lines
-are printed with the test that produced them); 2 the check would prove nothing (no log, or a
-log without tether output from both in-process and subprocess tethers: collection is broken).
+Run after the suite (`.ci/run` does, over the logs of its stages together). Exit codes: 0
+clean; 1 a canary was logged (the lines are printed with the test that produced them); 2 the
+check would prove nothing (a log missing, or logs without tether output from both in-process
+and subprocess tethers: collection is broken).
 """
 
 from __future__ import annotations
@@ -49,35 +51,41 @@ def find_leaks(lines: Iterable[str], markers: tuple[str, ...] = LEAK_MARKERS) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    path = Path(args[0]) if args else log_file()
-    if not path.is_file():
-        print(f"leak check: no collected log at {path} (run the test suite first)")
+    paths = [Path(arg) for arg in args] or [log_file()]
+    missing = [str(path) for path in paths if not path.is_file()]
+    if missing:
+        print(f"leak check: no collected log at {', '.join(missing)} (run the test suite first)")
         return 2
-    lines = path.read_text(encoding="utf-8", errors="backslashreplace").splitlines()
+    logs = {
+        path: path.read_text(encoding="utf-8", errors="backslashreplace").splitlines()
+        for path in paths
+    }
+    lines = [line for log in logs.values() for line in log]
+    named = ", ".join(str(path) for path in paths)
     in_process = sum(1 for line in lines if line.startswith(f"{IN_PROCESS} | "))
     subprocess = sum(1 for line in lines if line.startswith("tether["))
     if not in_process or not subprocess:
         print(
-            f"leak check: {path} has {in_process} in-process and {subprocess} subprocess tether "
-            "lines; both must be there for the check to mean anything (log collection broken, "
-            "or only part of the suite ran)"
+            f"leak check: {named} {'has' if len(paths) == 1 else 'have'} {in_process} "
+            f"in-process and {subprocess} subprocess tether lines; both must be there for the "
+            "check to mean anything (log collection broken, or only part of the suite ran)"
         )
         return 2
-    leaks = find_leaks(lines)
+    leaks = [(path, leak) for path, log in logs.items() for leak in find_leaks(log)]
     if not leaks:
         print(
-            f"leak check: no canary ({', '.join(LEAK_MARKERS)}) in {len(lines)} lines of {path} "
+            f"leak check: no canary ({', '.join(LEAK_MARKERS)}) in {len(lines)} lines of {named} "
             f"({in_process} in-process, {subprocess} from tether processes)"
         )
         return 0
     by_test: dict[str, int] = {}
-    for leak in leaks:
+    for _, leak in leaks:
         by_test[leak.test_id] = by_test.get(leak.test_id, 0) + 1
-    print(f"leak check: {len(leaks)} log lines of {path} hold a canary, in {len(by_test)} tests:")
+    print(f"leak check: {len(leaks)} log lines of {named} hold a canary, in {len(by_test)} tests:")
     for test_id, count in sorted(by_test.items()):
         print(f"  {count:4d}  {test_id}")
     print(f"first {min(SHOWN, len(leaks))} lines:")
-    for leak in leaks[:SHOWN]:
+    for path, leak in leaks[:SHOWN]:
         shown = leak.line if len(leak.line) <= SHOWN_WIDTH else leak.line[:SHOWN_WIDTH] + " ..."
         print(f"  {path.name}:{leak.line_number} [{leak.marker}] {shown}")
     return 1
