@@ -1,6 +1,10 @@
 """Every setting tether has, read from ``TETHER_*`` environment variables (and ``.env``).
 
 No instance is created at import: ``__main__`` builds one, tests build their own.
+
+One module for every setting (the longest file of the package but for the JSON scanner and
+the engine connection): pydantic-settings reads them as one model, the cross-setting checks
+need them side by side, and docs/configuration.md is generated from this one file.
 """
 
 from __future__ import annotations

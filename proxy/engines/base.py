@@ -4,6 +4,10 @@ fills in with what tether knows about that engine.
 
 Pure: builds descriptions of calls; the upstream client sends them. Imports nothing of
 tether's settings at run time (`proxy.settings` reads the engines from this package).
+
+Somewhat over 400 lines because every profile's facts are declared here once, with their
+defaults and the one place that derives the route tables from them; each engine's module
+is then a short list of what differs.
 """
 
 from __future__ import annotations

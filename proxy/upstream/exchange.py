@@ -16,6 +16,9 @@ The wait for the end may watch for the engine going silent (TETHER_STREAM_IDLE_T
 one timer for the whole response, as the pool watches its idle connections: each read notes
 its time on the loop's clock, and the timer, when it runs out, either finds the silence long
 enough or is re-armed for what is left of it from the last read.
+
+Just over 400 lines: sending, the replay rule, the waits and the sink hand-off share the
+exchange's state, which nothing else may write.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ a name written twice counting as its last occurrence, NaN and Infinity, whitespa
 It checks the body's encoding, the object's own structure, every byte outside strings and
 each member it decodes; inside a member it skips it checks only that strings end and
 brackets balance, and leaves the rest to the engine's parser, which rejects what is not JSON.
+
+One module, longer than most: the scanner, the member reader and the member setter share one
+grammar and one notion of where a member starts and ends; split, they could drift apart, and
+a body read one way and rewritten another is a smuggling bug.
 """
 
 from __future__ import annotations
