@@ -627,7 +627,7 @@ EOF
     tether --version
     python -c "import proxy.compiled as c; print(\"data plane:\", c.extensions())" | tee /tmp/data-plane
     grep -qx "data plane: compiled" /tmp/data-plane
-    TETHER_NO_EXTENSIONS=1 python -c "import proxy.compiled as c, proxy.relay; print(\"TETHER_NO_EXTENSIONS=1:\", c.extensions())"'
+    TETHER_NO_EXTENSIONS=1 python -c "import proxy.compiled as c, proxy.upstream.relay; print(\"TETHER_NO_EXTENSIONS=1:\", c.extensions())"'
   ok "image metadata: USER 10001, exec-form ENTRYPOINT, EXPOSE 8080 9090, HEALTHCHECK; no pip/compiler; compiled data plane"
 
   # A bad setting: exit 2 and a message naming the variable.

@@ -1,6 +1,7 @@
 """The package's layers, checked rather than only written: no import circle between modules
-(imports only a type checker sees included) and no arrow from a lower layer to a higher
-one. The layers are named once, here, top-down; docs/architecture.md shows this table."""
+(imports only a type checker sees included), no arrow from a lower layer to a higher one, and
+no package `__init__` with code but the engines' registry. The layers are named once, here,
+top-down; docs/hooks.py builds docs/architecture.md's table of them from `LAYERS`."""
 
 from __future__ import annotations
 
@@ -146,6 +147,16 @@ def test_no_import_circle() -> None:
 def test_every_module_has_a_layer() -> None:
     """Each module of the package falls under one of the named layers."""
     assert all(layer_of(module) >= 0 for module in import_graph())
+
+
+def test_package_inits_are_empty_but_the_engines_registry() -> None:
+    """A subpackage's `__init__` holds nothing, so importing one module loads none of its
+    siblings; only `engines/`'s holds code: the registry of engines."""
+    assert [
+        str(path.relative_to(ROOT))
+        for path in sorted(ROOT.glob("*/__init__.py"))
+        if path.parent.name != "engines" and path.read_text().strip()
+    ] == []
 
 
 def test_the_checks_find_a_circle_and_an_arrow_up(tmp_path: Path) -> None:

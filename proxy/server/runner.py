@@ -142,7 +142,7 @@ class TetherServer:
                 # most this long, then close: a silent uploader does not hold a connection.
                 lingering_time=1.0,
                 access_log=None,
-                # Per line; the whole head is bounded by TETHER_MAX_REQUEST_HEAD (forward.py).
+                # Per line; the whole head is bounded by TETHER_MAX_REQUEST_HEAD (handler.py).
                 max_field_size=16384,
                 max_line_size=16384,
             ),

@@ -1,7 +1,6 @@
 """The only module that knows where the engine is: client requests go over tether's own
-HTTP/1.1 connections (`upstream_pool`, `upstream_connection`, `upstream_exchange`), abort
-calls and health checks over aiohttp sessions with connections of their own, so neither
-queues behind the relay."""
+HTTP/1.1 connections (`pool`, `connection`, `exchange`), abort calls and health checks over
+aiohttp sessions with connections of their own, so neither queues behind the relay."""
 
 from __future__ import annotations
 

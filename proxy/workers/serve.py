@@ -1,4 +1,5 @@
-"""Run tether as a supervisor of TETHER_WORKERS processes: what `runner.serve` is for one.
+"""Run tether as a supervisor of TETHER_WORKERS processes: what `server.runner.serve` is
+for one.
 
 Start-up: the client port is reserved, the workers started and each found answering, then
 the admin port opens and one `tether_started` line says so. Shutdown (SIGTERM/SIGINT):

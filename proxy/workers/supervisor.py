@@ -40,7 +40,7 @@ RESTART_FIRST_DELAY = 0.5
 RESTART_MAX_DELAY = 30.0
 RESTART_RESET_AFTER = 60.0
 # A worker's graceful stop takes TETHER_SHUTDOWN_GRACE, then its cancelled handlers settle
-# and its aborts drain (runner.TetherServer.stop); past this margin on top it is killed.
+# and its aborts drain (server.runner.TetherServer.stop); past this margin on top it is killed.
 STOP_MARGIN_SECONDS = 15.0
 
 

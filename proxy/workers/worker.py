@@ -1,9 +1,9 @@
 """`python -m proxy.workers.worker`: one of the supervisor's workers, as `supervisor` starts it.
 
-A worker is tether as one process runs it (`runner.TetherServer`), seated by the supervisor:
-its share of the client port (SO_REUSEPORT, the port the supervisor resolved), its admin app
-on a private Unix socket, and its index on every log line. It stops gracefully on SIGTERM,
-and when its lifeline, a pipe only the supervisor writes to, reads end of file: the
+A worker is tether as one process runs it (`server.runner.TetherServer`), seated by the
+supervisor: its share of the client port (SO_REUSEPORT, the port the supervisor resolved), its
+admin app on a private Unix socket, and its index on every log line. It stops gracefully on
+SIGTERM, and when its lifeline, a pipe only the supervisor writes to, reads end of file: the
 supervisor is gone (even SIGKILLed), and a worker must not outlive it. SIGINT is ignored: a
 Ctrl-C reaches the whole process group, and the supervisor alone decides (it sends SIGTERM).
 """
