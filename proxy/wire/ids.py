@@ -9,7 +9,8 @@ import os
 MAX_CLIENT_REQUEST_ID_LENGTH = 256
 INTERNAL_REQUEST_ID_LENGTH = 32
 
-_HEX_BYTES = frozenset(b"0123456789abcdef")
+_HEX_DIGITS = b"0123456789abcdef"
+_HEX_BYTES = frozenset(_HEX_DIGITS)
 # Visible ASCII only: no spaces, no control characters (CR/LF header and log injection).
 _VISIBLE_ASCII = frozenset(range(0x21, 0x7F))
 
@@ -61,6 +62,10 @@ def check_client_request_id(value: str) -> str:
 
 def json_escaped(value: str) -> bytes:
     """`value` as it must appear inside a JSON string (quotes and backslashes escaped)."""
+    if value.isascii() and value.isprintable() and '"' not in value and "\\" not in value:
+        # What json.dumps leaves as it is (printable ASCII but the two it escapes): the
+        # common client ID, once per request, without the encoder's call.
+        return value.encode()
     return json.dumps(value, ensure_ascii=True)[1:-1].encode()
 
 
@@ -76,9 +81,10 @@ class IdMapper:
 
     def __init__(self, internal_request_id: str, replacement: bytes) -> None:
         self._needle = internal_request_id.encode()
-        # tether's own IDs are hex: one shared set instead of one per stream.
-        needle_bytes = frozenset(self._needle)
-        self._needle_bytes = _HEX_BYTES if needle_bytes <= _HEX_BYTES else needle_bytes
+        # tether's own IDs are hex: one shared set instead of one per stream (and the test
+        # for it in C: nothing left once the hex digits are deleted).
+        hex_only = not self._needle.translate(None, _HEX_DIGITS)
+        self._needle_bytes = _HEX_BYTES if hex_only else frozenset(self._needle)
         self._replacement = replacement
         self._held = b""
 

@@ -99,12 +99,22 @@ class TokenCounter:
 
 
 def _last_number(data: bytes, markers: tuple[bytes, ...]) -> int | None:
-    """The number after the last of `markers` in `data`, if any."""
-    at, marker = max((data.rfind(marker), marker) for marker in markers)
+    """The number after the last of `markers` in `data`, if any. (Read in place, digit by
+    digit: once per request on a body's last bytes, where slicing them off cost more than
+    the search.)"""
+    at = -1
+    length = 0
+    for marker in markers:
+        found = data.rfind(marker)
+        if found > at:
+            at, length = found, len(marker)
     if at < 0:
         return None
-    digits = data[at + len(marker) :].lstrip(b" ")
-    end = 0
-    while end < len(digits) and 48 <= digits[end] <= 57:
-        end += 1
-    return int(digits[:end]) if end else None
+    index, size = at + length, len(data)
+    while index < size and data[index] == 32:
+        index += 1
+    start, value = index, 0
+    while index < size and 48 <= data[index] <= 57:
+        value = value * 10 + data[index] - 48
+        index += 1
+    return value if index > start else None
