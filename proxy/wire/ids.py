@@ -12,7 +12,6 @@ INTERNAL_REQUEST_ID_LENGTH = 32
 _HEX_DIGITS = b"0123456789abcdef"
 _HEX_BYTES = frozenset(_HEX_DIGITS)
 # Visible ASCII only: no spaces, no control characters (CR/LF header and log injection).
-_VISIBLE_ASCII = frozenset(range(0x21, 0x7F))
 
 
 class InvalidClientRequestId(ValueError):
@@ -53,7 +52,8 @@ def check_client_request_id(value: str) -> str:
         raise InvalidClientRequestId(
             f"is {len(value)} characters long; the limit is {MAX_CLIENT_REQUEST_ID_LENGTH}"
         )
-    if not all(ord(char) in _VISIBLE_ASCII for char in value):
+    # Visible ASCII is printable ASCII but the space: three scans in C, not one step a character.
+    if not (value.isascii() and value.isprintable()) or " " in value:
         raise InvalidClientRequestId(
             "may only contain visible ASCII characters (no spaces or control characters)"
         )
