@@ -23,9 +23,10 @@ from types import ModuleType
 # life and the stops of the engine's work included (tests reach them through `proxy.faults`,
 # never by patching, so they compile). Not compiled: `engines/token_shapes.py`, the data the
 # token counter reads (mypyc's dataclasses take ClassVar declarations for fields,
-# mypyc/mypyc#1122), `request/body.py` (the streamed body is an async generator, which mypyc
-# does not compile) and `request/state.py` (compiled, its dataclass fails at import on a
-# field's annotation: `KeyError: 'object'` from mypyc 1.x).
+# mypyc/mypyc#1122), and `request/body.py` (the streamed body is an async generator, which mypyc
+# does not compile). (`request/state.py`'s dataclass once failed at import compiled, on a
+# field annotated `object`: `KeyError: 'object'` from mypyc 1.x; its fields name no builtin
+# type bare.)
 COMPILED_MODULES = (
     "proxy.upstream.connection",
     "proxy.upstream.exchange",
@@ -42,6 +43,8 @@ COMPILED_MODULES = (
     "proxy.server.handler",
     "proxy.server.respond",
     "proxy.request.naming",
+    "proxy.request.state",
+    "proxy.server.context",
     "proxy.request.abort_report",
     "proxy.aborts.tracker",
     "proxy.aborts.calls",

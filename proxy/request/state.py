@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from aiohttp import web
+
+# Imported at run time, not only for the type checker: compiled, the dataclass below reads
+# its fields' annotations from this module's names when it is created.
+from ..engines import EngineProfile, Route
+from ..errors import TetherError
+from ..observe.tracing import RequestSpan
 from ..outcomes import Outcome, Phase
+from ..upstream.exchange import UpstreamExchange
+from ..upstream.relay import ResponseRelay
 from .body import NOTHING_LEARNT, BodyFacts
-
-if TYPE_CHECKING:
-    from aiohttp import web
-
-    from ..engines import EngineProfile, Route
-    from ..errors import TetherError
-    from ..observe.tracing import RequestSpan
-    from ..upstream.exchange import UpstreamExchange
-    from ..upstream.relay import ResponseRelay
-    from .websocket import ClientFrames
+from .websocket import ClientFrames
 
 
 class Stopping(Protocol):
@@ -59,7 +59,7 @@ class RequestState:
     task: asyncio.Task[object] | None = None
     # The client connection it arrived on (for the drain: connections serving no request
     # are closed at once).
-    connection: object = None
+    connection: Hashable | None = None
     span: RequestSpan | None = None
     started_at: float = field(default_factory=time.monotonic)
     phase: Phase = Phase.BODY
