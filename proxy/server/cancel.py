@@ -70,6 +70,7 @@ _SWEEP_ABOVE = 1024
 # How sure tether is of the engine's stop, least sure last: what several requests under one ID
 # report together.
 _CERTAINTY = (
+    "finished",  # it ended by itself before the cancel could stop it
     "confirmed",
     "not_sent",
     "left_running",
@@ -153,7 +154,19 @@ class CancelRoutes:
             self._check_budget(request)
             request_ids = await _request_ids(request)
             caller = self._caller(request)
-            done = await asyncio.gather(*(self.cancel(rid, caller) for rid in request_ids))
+            done = await asyncio.gather(*(self.cancel_local(rid, caller) for rid in request_ids))
+            # Only as many IDs as the connection may still fail with are asked elsewhere: a
+            # batch does not multiply the calls to other replicas.
+            budget = FAILED_CANCELS_PER_CONNECTION - self._failures.get(request.protocol, 0)
+            missing = [at for at, each in enumerate(done) if each.cancelled == 0][:budget]
+            found = await asyncio.gather(
+                *(self._elsewhere(request_ids[at], caller) for at in missing)
+            )
+            for at, each in zip(missing, found, strict=True):
+                done[at] = each
+            for each in done:
+                if each.cancelled == 0:
+                    self._count("not_found")
             self._failed(request, sum(1 for each in done if each.cancelled == 0))
         except TetherError as error:
             return error_response(error)
@@ -194,21 +207,29 @@ class CancelRoutes:
         held = self._owned(request_id, caller)
         if held:
             return await self._cancel_held(request_id, held)
+        done = await self._elsewhere(request_id, caller)
+        if done.cancelled == 0:
+            self._count("not_found")
+        return done
+
+    async def _elsewhere(self, request_id: str, caller: bytes | None) -> Cancellation:
+        """The caller's requests with this ID cancelled by the process that holds them (this
+        replica's other workers, other replicas), where there are others to ask."""
         fleet = self._ctx.fleet
-        if fleet.cancels_elsewhere and self._may_act(caller) and _checked(request_id):
-            found = await fleet.cancel(request_id, caller)
-            if found is not None:
-                self._count("peer")
-                log.info(
-                    "request_cancelled",
-                    id_asked=request_id,
-                    replica=found.replica,
-                    cancelled=found.cancelled,
-                    engine=found.engine,
-                )
-                return Cancellation(found.cancelled, found.engine, found.replica)
-        self._count("not_found")
-        return Cancellation(0, None)
+        if not (fleet.cancels_elsewhere and self._may_act(caller) and _checked(request_id)):
+            return Cancellation(0, None)
+        found = await fleet.cancel(request_id, caller)
+        if found is None:
+            return Cancellation(0, None)
+        self._count("peer")
+        log.info(
+            "request_cancelled",
+            id_asked=request_id,
+            replica=found.replica,
+            cancelled=found.cancelled,
+            engine=found.engine,
+        )
+        return Cancellation(found.cancelled, found.engine, found.replica)
 
     async def cancel_local(self, request_id: str, caller: bytes | None) -> Cancellation:
         """Cancel the caller's requests with this ID held here only (a peer's call)."""
@@ -269,6 +290,8 @@ class CancelRoutes:
         left = bound - (time.monotonic() - started)
         if not await self._ctx.aborts.wait_stopped(state, max(left, 0.0)):
             return "pending"
+        if state.ending is not None and state.ending.outcome is not Outcome.CANCELLED:
+            return "finished"
         if state.stop_result is not None:
             return state.stop_result.value
         if state.upstream is None:
