@@ -18,6 +18,7 @@ from .support.canaries import CANARY_PROMPT, CANARY_SECRET
 from .support.chat import chat_body
 from .support.in_process import TetherFactory, drained, settled, url
 from .support.metrics import metric
+from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient
 from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
 
@@ -42,9 +43,9 @@ async def _stream(server: Any, request_id: str, headers: dict[str, str]) -> RawC
 async def _cancel(
     http: aiohttp.ClientSession, server: Any, request_id: str, headers: dict[str, str]
 ) -> tuple[int, Any]:
-    async with http.post(
-        url(server, f"/v1/requests/{request_id}/cancel"), headers=headers
-    ) as response:
+    """POST /v1/requests/<id>/cancel on `server` (in-process or a process: its `port`)."""
+    target = f"http://127.0.0.1:{server.port}/v1/requests/{request_id}/cancel"
+    async with http.post(target, headers=headers) as response:
         return response.status, await response.json()
 
 
@@ -415,3 +416,46 @@ async def test_a_held_responses_request_is_cancelled_by_tether_and_others_go_to_
     assert generation.stopped_by == "abort"
     # The fake engine has no such route: its own (aiohttp's) 404, not tether's JSON.
     assert forwarded == (404, "404: Not Found")
+
+
+async def test_a_cancel_reaches_the_worker_that_holds_the_request(
+    fake_engine: FakeEngineFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    """TETHER_WORKERS=2 with an admin token: streams on both workers are cancelled through one
+    connection (so one worker is asked for a request the other holds); each reaches the engine
+    as an abort of its own internal ID."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(engine_url, TETHER_WORKERS="2", TETHER_ADMIN_TOKEN=CANARY_SECRET)
+    admin = {"Authorization": f"Bearer {CANARY_SECRET}"}
+    streams: dict[int, tuple[str, RawClient]] = {}
+    internal_ids: list[str] = []
+    for index in range(32):  # new connections until both workers hold one
+        client = await RawClient.connect(process.port)
+        name = f"w-{index}"
+        await client.send_request(
+            chat_body(max_tokens=100_000), headers={"X-Request-Id": name, **ALICE}
+        )
+        await client.read_until(b"tok0")
+        async with http.get(process.admin_url("/admin/requests"), headers=admin) as response:
+            listed = (await response.json())["requests"]
+        [entry] = [e for e in listed if e["client_request_id"] == name]
+        if entry["worker"] in streams:
+            client.close_fin()
+            continue
+        streams[entry["worker"]] = (name, client)
+        internal_ids.append(entry["internal_request_id"])
+        if len(streams) == 2:
+            break
+    assert len(streams) == 2, "every connection landed on one worker"
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as one_connection:
+        answers = []
+        for name, _ in streams.values():
+            answers.append(await _cancel(one_connection, process, name, ALICE))
+
+    assert [(status, body["cancelled"]) for status, body in answers] == [(200, 1), (200, 1)]
+    for _, client in streams.values():
+        await client.read_until(b"0\r\n\r\n")
+    assert set(internal_ids) <= engine.aborted_ids()
