@@ -21,6 +21,7 @@ from .support.metrics import metric
 from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient
 from .support.upstreams import FakeEngineFactory, UpstreamAppFactory
+from .support.waiting import poll_until
 
 ALICE = {"Authorization": "Bearer alice-key"}
 BOB = {"Authorization": "Bearer bob-key"}
@@ -459,3 +460,44 @@ async def test_a_cancel_reaches_the_worker_that_holds_the_request(
     for _, client in streams.values():
         await client.read_until(b"0\r\n\r\n")
     assert set(internal_ids) <= engine.aborted_ids()
+
+
+async def test_a_stream_cancelled_inside_an_event_ends_after_that_event(
+    upstream_app: UpstreamAppFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """The engine has sent half an event when the cancel arrives: the client gets the rest of
+    that event and nothing after it, then the stream's end; the canceller waits for that."""
+    half_sent = asyncio.Event()
+    send_rest = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"n": 1}\n\n')
+        await response.write(b'data: {"n": ')
+        half_sent.set()
+        await send_rest.wait()
+        await response.write(b'2}\n\ndata: {"n": 3}\n\n')
+        await asyncio.Event().wait()  # an engine that would go on
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    server = await tether(await upstream_app(app), engine="vllm")
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(), headers={"X-Request-Id": "split-1", **ALICE})
+    first = await client.read_until(b'{"n": 1}')
+    first += await client.read_until(b'{"n": ')  # half of the second event
+    await asyncio.wait_for(half_sent.wait(), 5)
+
+    [state] = server.context.registry
+    cancelling = asyncio.ensure_future(_cancel(http, server, "split-1", ALICE))
+    await poll_until(lambda: state.left is not None, 5, what="the cancel to arrive")
+    send_rest.set()  # the engine finishes the event (and starts another)
+    raw = first + await client.read_to_end()
+    status, answer = await cancelling
+
+    assert (status, answer["cancelled"]) == (200, 1)
+    events = _events_of(raw)
+    assert [json.loads(event[len("data: ") :])["n"] for event in events] == [1, 2]

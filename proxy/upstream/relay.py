@@ -134,12 +134,11 @@ class ResponseRelay:
         if self._mode is not _Mode.CLIENT or not self._is_sse:
             then()
             return
+        self._on_boundary = then
         if self.bytes_out == 0 or _event_end(b"", self._last_written) == 0:
             self._end_here()
-            then()
-            return
-        self._on_boundary = then
-        self._mode = _Mode.ENDING
+        else:
+            self._mode = _Mode.ENDING
 
     def _end_here(self) -> None:
         self.ended_at_boundary = True
@@ -177,7 +176,7 @@ class ResponseRelay:
             self._client_left()
             return
         if not chunk:
-            pass
+            pass  # the event in progress had ended with the last write
         elif not self._chunked:
             transport.write(chunk)
         elif len(chunk) < _COPY_BELOW:
