@@ -157,7 +157,7 @@ class CancelRoutes:
             done = await asyncio.gather(*(self.cancel_local(rid, caller) for rid in request_ids))
             # Only as many IDs as the connection may still fail with are asked elsewhere: a
             # batch does not multiply the calls to other replicas.
-            budget = FAILED_CANCELS_PER_CONNECTION - self._failures.get(request.protocol, 0)
+            budget = max(FAILED_CANCELS_PER_CONNECTION - self._failures.get(request.protocol, 0), 0)
             missing = [at for at, each in enumerate(done) if each.cancelled == 0][:budget]
             found = await asyncio.gather(
                 *(self._elsewhere(request_ids[at], caller) for at in missing)
