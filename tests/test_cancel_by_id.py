@@ -100,6 +100,10 @@ async def test_a_stream_cancelled_by_its_callers_id_stops_at_the_engine_and_ends
     events = _events_of(raw)
     assert all(event.startswith("data: ") for event in events)
     json.loads(events[-1][len("data: ") :])  # the last event is whole JSON
+    await settled(server)
+    registry = server.context.metrics.registry
+    assert metric(registry, "tether_cancellations_total", result="confirmed") == 1
+    assert metric(registry, "tether_request_outcomes_total", outcome="cancelled") == 1
 
 
 async def test_a_cancel_with_another_or_no_credential_gets_404_and_the_request_runs_on(
