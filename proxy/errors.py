@@ -109,6 +109,19 @@ class UnsupportedUpgradeError(ClientRequestError):
     """An `Upgrade` tether does not relay (anything but a WebSocket; h2c is ignored)."""
 
 
+class RequestNotFoundError(ClientRequestError, LookupError):
+    """A cancel by ID names nothing this caller has in flight: an unknown ID, another
+    caller's, one already finished all get this same answer."""
+
+    def __init__(self) -> None:
+        # The ID asked is not echoed: the answer must not differ by what it names.
+        super().__init__("no request of yours with this ID is in flight")
+
+
+class TooManyFailedCancelsError(ClientRequestError):
+    """A connection's cancel calls found nothing too often: IDs are not guessed cheaply."""
+
+
 # --- decided by tether's operator ------------------------------------------------------------
 
 
@@ -118,6 +131,11 @@ class StoppedByTetherError(TetherError):
 
 class AdminAbortedError(StoppedByTetherError):
     def __init__(self, message: str = "an operator aborted this request") -> None:
+        super().__init__(message)
+
+
+class RequestCancelledError(StoppedByTetherError):
+    def __init__(self, message: str = "the request was cancelled by its ID") -> None:
         super().__init__(message)
 
 
@@ -144,11 +162,12 @@ class InvalidAdminTokenError(AdminError, PermissionError):
 
 
 class InvalidAdminBodyError(AdminError, ValueError):
-    def __init__(self) -> None:
-        super().__init__(
-            'send a JSON object like {"request_id": "<client or internal ID>", '
-            '"scope": "local" or "fleet"}'
-        )
+    def __init__(
+        self,
+        message: str = 'send a JSON object like {"request_id": "<client or internal ID>", '
+        '"scope": "local" or "fleet"}',
+    ) -> None:
+        super().__init__(message)
 
 
 class FleetNotConfiguredError(AdminError):
@@ -248,8 +267,17 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
         505, _INVALID, "http_version_not_supported", _INFO, closes_connection=True
     ),
     UnsupportedUpgradeError: ErrorKind(400, _INVALID, "unsupported_upgrade", _INFO),
+    RequestNotFoundError: ErrorKind(404, _INVALID, "request_not_found", _INFO),
+    # The connection closes: its next guesses need a new connection (and a new budget).
+    TooManyFailedCancelsError: ErrorKind(
+        429, _INVALID, "too_many_failed_cancels", _INFO, closes_connection=True
+    ),
     AdminAbortedError: ErrorKind(
         503, _UNAVAILABLE, "aborted_by_operator", _INFO, closes_connection=True
+    ),
+    # 499 as nginx logs a client's own ending (and gRPC maps CANCELLED): no SDK retries it.
+    RequestCancelledError: ErrorKind(
+        499, "cancelled_error", "request_cancelled", _INFO, closes_connection=True
     ),
     ShuttingDownError: ErrorKind(
         503, _UNAVAILABLE, "shutting_down", _INFO, closes_connection=True, retry_after=0

@@ -22,6 +22,7 @@ class Outcome(StrEnum):
     REJECTED = "rejected"
     CLIENT_DISCONNECTED = "client_disconnected"
     ADMIN_ABORTED = "admin_aborted"
+    CANCELLED = "cancelled"  # its caller cancelled it by ID (POST /v1/requests/{id}/cancel)
     SHUTDOWN_ABORTED = "shutdown_aborted"
     TIMED_OUT = "timed_out"
     UPSTREAM_FAILED = "upstream_failed"

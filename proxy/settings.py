@@ -141,6 +141,18 @@ class Settings(EngineSettings, _SettingsHead):
         "preserve: the client's ID upstream unchanged (P/D pairs, router-assigned IDs), a "
         "second one in flight refused with 409.",
     )
+    cancel_credential_header: str | None = Field(
+        None,
+        description="The header that names a request's caller for cancel by ID (POST "
+        "/v1/requests/{id}/cancel, GET /v1/requests): only a request with the same value "
+        "cancels or lists it. Unset: Authorization, else api-key, else x-api-key. tether keeps "
+        "a keyed hash of the value, never the value.",
+    )
+    cancel_without_credential: bool = Field(
+        False,
+        description="Let a caller that sends no credential cancel and list requests that "
+        "carried none (client-chosen IDs are guessable: only where every client is trusted).",
+    )
     connect_timeout: Seconds = Field(5.0, description="Seconds to connect upstream.")
     request_timeout: Seconds | None = Field(
         None, description="Seconds a whole request may take; unset means no limit."
@@ -342,10 +354,10 @@ class Settings(EngineSettings, _SettingsHead):
             )
         return value
 
-    @field_validator("request_id_header")
+    @field_validator("request_id_header", "cancel_credential_header")
     @classmethod
-    def _header_name(cls, value: str) -> str:
-        if not _HEADER_TOKEN.match(value):
+    def _header_name(cls, value: str | None) -> str | None:
+        if value is not None and not _HEADER_TOKEN.match(value):
             raise ValueError("must be a valid HTTP header name")
         return value
 

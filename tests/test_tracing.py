@@ -120,6 +120,37 @@ async def test_aborted_request_keeps_its_span_with_the_disconnect_and_the_confir
     assert format(span.context.trace_id, "032x") == CALLER_TRACE
 
 
+async def test_a_request_cancelled_by_id_has_the_cancel_in_its_span(
+    fake_engine: FakeEngineFactory,
+    traced: tuple[InMemorySpanExporter, list[TetherServer]],
+    http: aiohttp.ClientSession,
+) -> None:
+    """A stream its caller cancelled by ID: its span has the `cancelled_by_id` event before
+    the abort's, and `cancelled` as its outcome."""
+    _, engine_url = await fake_engine(token_interval=0.01)
+    server = await start_traced(traced, engine_url)
+    client = await RawClient.connect(server.port)
+    await client.send_request(
+        chat_body(max_tokens=100_000), headers={"X-Request-Id": "traced-cancel", "api-key": "k"}
+    )
+    await client.read_until(b"tok2")
+    async with http.post(
+        url(server, "/v1/requests/traced-cancel/cancel"), headers={"api-key": "k"}
+    ) as response:
+        assert response.status == 200
+    await client.read_to_end()
+    await settled(server)
+    await drained(server)
+
+    [span] = traced[0].get_finished_spans()
+    assert [event.name for event in span.events] == [
+        "cancelled_by_id",
+        "abort_sent",
+        "abort_confirmed",
+    ]
+    assert attributes(span)["tether.outcome"] == "cancelled"
+
+
 async def test_rejected_requests_get_a_span_too(
     fake_engine: FakeEngineFactory,
     traced: tuple[InMemorySpanExporter, list[TetherServer]],

@@ -4,6 +4,7 @@ engine certainly holds the request; built from the request's own record."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class StopRequest:
     on_stopped: Callable[[int | None], None] | None = None
     stopped: bool = False  # the engine's work has stopped (or tether gave up on it)
     tokens_after_disconnect: int | None = None  # once stopped
+    task: asyncio.Task[None] | None = None  # the tracker's task carrying it out
 
     @property
     def upstream(self) -> UpstreamExchange:

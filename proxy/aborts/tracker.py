@@ -112,8 +112,20 @@ class AbortTracker:
             upstream.close()
             return
         stop = stop_request(state)
-        handed_over = self._let_finish(stop) if state.body.background else self._stop(stop)
+        detached = state.body.background or state.engine.outlives_connection(
+            state.method, state.path
+        )
+        handed_over = self._let_finish(stop) if detached else self._stop(stop)
         state.stopping = stop if handed_over else None
+
+    async def wait_stopped(self, state: RequestState, timeout: float) -> bool:
+        """Wait, at most `timeout` seconds, until the stop of `state`'s engine work has ended
+        (its result is then `state.stop_result`); whether it did."""
+        stop = state.stopping
+        if not isinstance(stop, StopRequest) or stop.stopped or stop.task is None:
+            return True
+        await asyncio.wait({stop.task}, timeout=timeout)
+        return stop.stopped
 
     @property
     def pending(self) -> int:
@@ -176,6 +188,7 @@ class AbortTracker:
         name = f"stop-{request.state.internal_request_id}"
         task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
+        request.task = task
         task.add_done_callback(functools.partial(self._finished, request))
 
     def _finished(self, request: StopRequest, task: asyncio.Task[None]) -> None:

@@ -54,6 +54,8 @@ class Profile(EngineProfile):
     aborts_by_prefix = False
     json_rule = FASTAPI_JSON
     keepalive_seconds = BELOW_UVICORN_KEEPALIVE
+    # Until the engine says what it is: the OpenAI API's watch of a background response.
+    watch_paths = ("/v1/responses/",)
 
     @classmethod
     def check_settings(cls, settings: Settings) -> None:

@@ -355,6 +355,11 @@ class EngineProfile(ABC):
     json_rule: ClassVar[JsonRule]
     # Seconds an idle pooled connection to the engine stays open: below its own keep-alive.
     keepalive_seconds: ClassVar[float]
+    # Path prefixes whose GET requests watch work that outlives its connection (a stored
+    # background response: `GET /v1/responses/{id}`, streaming or not): a client leaving one
+    # only stopped watching, so no abort is sent and the response is read to its end, as for
+    # the POST with `"background": true` (a route fact, `may_run_in_background`).
+    watch_paths: ClassVar[tuple[str, ...]]
 
     # --- built from the settings ------------------------------------------------------------
 
@@ -378,6 +383,15 @@ class EngineProfile(ABC):
         self._upstream_url = settings.upstream_url
         self._abort_url = settings.abort_url
         self._routes = {route.path: route for route in self._route_table(settings)}
+        # What the IDs of the engine's answers start with (`chatcmpl-`, `cmpl-`, `resp_`): a
+        # client may name its request by the ID it saw.
+        self.answer_prefixes = tuple(
+            dict.fromkeys(
+                prefix
+                for route in self._routes.values()
+                if (prefix := (route.response_id or route.engine_id or "{id}").partition("{id}")[0])
+            )
+        )
 
     @classmethod
     @abstractmethod
@@ -405,6 +419,10 @@ class EngineProfile(ABC):
             return False
         path = path.rstrip("/") or "/"
         return path not in self._routes and path not in self.generation_routes
+
+    def outlives_connection(self, method: str, path: str) -> bool:
+        """Whether this request watches work meant to outlive its connection."""
+        return method == "GET" and any(path.startswith(prefix) for prefix in self.watch_paths)
 
     def _unknown_route(self, method: str, path: str) -> Route | None:
         if method in _READ_ONLY_METHODS:

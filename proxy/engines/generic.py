@@ -55,6 +55,9 @@ class Profile(EngineProfile):
     # could be JSON is read for an ID field.
     json_rule = FASTAPI_JSON
     keepalive_seconds = BELOW_UVICORN_KEEPALIVE
+    # An OpenAI-compatible server with the Responses API: GET /v1/responses/{id} watches a
+    # stored background response.
+    watch_paths = ("/v1/responses/",)
 
     def __init__(self, settings: Settings, engine: str, default_blocked: tuple[str, ...]) -> None:
         super().__init__(settings, engine, default_blocked)

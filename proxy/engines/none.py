@@ -49,6 +49,9 @@ class Profile(EngineProfile):
     # could be JSON is read for an ID field.
     json_rule = FASTAPI_JSON
     keepalive_seconds = BELOW_UVICORN_KEEPALIVE
+    # An OpenAI-compatible server with the Responses API: GET /v1/responses/{id} watches a
+    # stored background response.
+    watch_paths = ("/v1/responses/",)
 
     @classmethod
     def check_settings(cls, settings: Settings) -> None:

@@ -265,6 +265,9 @@ class Profile(EngineProfile):
     aborts_by_prefix = True
     json_rule = FASTAPI_JSON
     keepalive_seconds = BELOW_UVICORN_KEEPALIVE
+    # GET /v1/responses/{id} reads a stored (background) response; leaving it only stops
+    # watching.
+    watch_paths = ("/v1/responses/",)
 
     @classmethod
     def check_settings(cls, settings: Settings) -> None:

@@ -229,6 +229,9 @@ class Profile(EngineProfile):
     aborts_by_prefix = False
     json_rule = FASTAPI_JSON
     keepalive_seconds = BELOW_UVICORN_KEEPALIVE
+    # GET /v1/responses/{id} (with ?stream=true too) watches a stored background response
+    # (VLLM_ENABLE_RESPONSES_API_STORE=1); leaving it only stops watching (observed on 0.32).
+    watch_paths = ("/v1/responses/",)
 
     @classmethod
     def check_settings(cls, settings: Settings) -> None:

@@ -169,6 +169,15 @@ class Metrics:
             "failed; connection dropped).",
             ("engine", "result"),
         )
+        self.cancellations = Counter(
+            "tether_cancellations",
+            "Cancel-by-ID calls on the serving port (one per ID asked), by result: how the "
+            "engine's work stopped (confirmed, unconfirmed, dropped, not_supported, "
+            "unknown_route, failed, not_sent, left_running, pending), peer (held by another "
+            "replica), not_found (no request of the caller's with that ID in flight), "
+            "rate_limited (the connection's failed attempts ran out).",
+            ("result",),
+        )
         self.abort_latency = Histogram(
             "tether_abort_latency_seconds",
             "From the disconnect to the engine accepting the abort call.",
@@ -253,6 +262,7 @@ class Metrics:
             self.client_disconnects,
             self.upstream_cancels,
             self.aborts,
+            self.cancellations,
             self.abort_latency,
             self.engine_stop,
             self.tokens_relayed,

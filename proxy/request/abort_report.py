@@ -151,6 +151,7 @@ class AbortReport:
         )
 
     def _count(self, state: RequestState, result: AbortResult) -> None:
+        state.stop_result = result
         self._metrics.count_abort(state.engine.engine, result.value)
         if state.span is not None:
             state.span.set(abort_result=result.value)

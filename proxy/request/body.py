@@ -74,6 +74,8 @@ class BodyFacts:
     # The ID the client named the request by in the body (vLLM's `request_id`, SGLang's
     # `rid`), which the engine would have written into its answer.
     client_id: str | None = None
+    # The body's `stream`, where tether read the body (None: not read).
+    stream: bool | None = None
 
 
 NOTHING_LEARNT = BodyFacts()
@@ -164,7 +166,8 @@ async def outgoing_body(
             for field in maybe
             if (field.always or _holds(document, field.name)) and field is not kept
         }
-        usage = usage and document.scalar("stream") is True and _ask_for_usage(document, values)
+        stream = document.scalar("stream")
+        usage = usage and stream is True and _ask_for_usage(document, values)
         facts = BodyFacts(
             background=route.may_run_in_background and document.scalar("background") is True,
             batch=route.batch(document),
@@ -172,6 +175,7 @@ async def outgoing_body(
             usage_asked=usage,
             model=model if isinstance(model, str) else None,
             client_id=client_id,
+            stream=stream if isinstance(stream, bool) else None,
         )
         return OutgoingBody(document.with_members(values) if values else body, facts)
     except JsonBodyTooComplex as exc:

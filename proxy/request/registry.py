@@ -40,8 +40,12 @@ class Registry:
             self._by_client[client] = {known, internal}
 
     def remove(self, state: RequestState) -> None:
+        if self._unlink(state) and state.left is not None and not state.left.done():
+            state.left.set_result(None)
+
+    def _unlink(self, state: RequestState) -> bool:
         if self._by_internal.pop(state.internal_request_id, None) is None:
-            return
+            return False
         if self._sorted is not None:
             del self._sorted[bisect_left(self._sorted, state.internal_request_id)]
         client, internal = state.client_request_id, state.internal_request_id
@@ -54,10 +58,11 @@ class Registry:
             del self._by_client[client]
         if not self._by_internal:
             self._empty.set()
+        return True
 
     def rename(self, state: RequestState, client_request_id: str, internal_request_id: str) -> None:
         """Give an in-flight request the IDs its body named (read after it was added)."""
-        self.remove(state)
+        self._unlink(state)
         state.client_request_id = client_request_id
         state.internal_request_id = internal_request_id
         self.add(state)
@@ -68,12 +73,19 @@ class Registry:
 
     def find(self, request_id: str) -> list[RequestState]:
         """Every in-flight request with this client ID, or the one with this internal ID."""
-        known = self._by_client.get(request_id)
-        internal_ids = (known,) if isinstance(known, str) else (known or ())
-        found = [self._by_internal[internal] for internal in internal_ids]
+        found = self.by_client(request_id)
         if not found and request_id in self._by_internal:
             found.append(self._by_internal[request_id])
         return found
+
+    def by_client(self, client_request_id: str) -> list[RequestState]:
+        """Every in-flight request with this client ID."""
+        known = self._by_client.get(client_request_id)
+        internal_ids = (known,) if isinstance(known, str) else (known or ())
+        return [self._by_internal[internal] for internal in internal_ids]
+
+    def by_internal(self, internal_request_id: str) -> RequestState | None:
+        return self._by_internal.get(internal_request_id)
 
     def prefix_related(self, request_id: str, ignoring: str | None = None) -> str | None:
         """An in-flight internal ID other than `ignoring` that starts with `request_id` or

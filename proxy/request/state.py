@@ -16,7 +16,7 @@ from aiohttp import web
 from ..engines import EngineProfile, Route
 from ..errors import TetherError
 from ..observe.tracing import RequestSpan
-from ..outcomes import Outcome, Phase
+from ..outcomes import AbortResult, Outcome, Phase
 from ..upstream.exchange import UpstreamExchange
 from ..upstream.relay import ResponseRelay
 from .body import NOTHING_LEARNT, BodyFacts
@@ -65,6 +65,9 @@ class RequestState:
     phase: Phase = Phase.BODY
     id_in_header: bool = False  # the client named the request in the request-ID header
     websocket: bool = False  # it asks for a WebSocket session
+    # The keyed hash of the credential it carried (`wire.callers`), never the credential:
+    # only the same caller cancels or lists it. None: it carried none.
+    caller: bytes | None = None
     body: BodyFacts = NOTHING_LEARNT  # what tether learnt from its body, once sent
     # The client's ID as the engine would have written it into its answer, where that is
     # not `client_request_id` (SGLang answers with a body `rid` over the header's).
@@ -76,14 +79,19 @@ class RequestState:
     # is `relay`).
     tunnel: ClientFrames | None = None
     stopping: Stopping | None = None  # the abort tracker stops the engine's work for it
+    # How stopping its engine work ended, once counted (what a canceller is told).
+    stop_result: AbortResult | None = None
+    # Resolved when it leaves the registry; made only by a canceller waiting for that.
+    left: asyncio.Future[None] | None = None
     upstream_cancelled: bool = False  # tether stopped work the engine was doing for it
     # Set when tether itself ends the request (`stop`).
     stopped_by: Outcome | None = None
     ending: Ending | None = None  # set once, by the handler
 
     def stop(self, reason: Outcome) -> bool:
-        """End the request from outside its handler (an operator's abort, shutdown): exactly
-        as a client leaving would, reported as `reason`. False when it is already ending."""
+        """End the request from outside its handler (an operator's abort, its caller's
+        cancel, shutdown): exactly as a client leaving would, reported as `reason`. False when
+        it is already ending."""
         if self.task is None or self.task.done():
             return False
         self.stopped_by = reason

@@ -26,6 +26,7 @@ from ..errors import (
 )
 from ..outcomes import Outcome
 from ..settings import Settings
+from .cancel import CANCEL_ROUTES, Cancellation
 from .context import CONTEXT, ProxyContext
 from .fleet import Fleet, PeerResult
 
@@ -46,6 +47,7 @@ def create_admin_app(proxy_app: web.Application) -> web.Application:
         metrics=metrics,
         list_requests=list_requests,
         abort_request=abort_request,
+        cancel_request=cancel_request,
     )
     return app
 
@@ -57,6 +59,7 @@ def add_admin_routes(
     metrics: _Handler,
     list_requests: _Handler,
     abort_request: _Handler,
+    cancel_request: _Handler,
 ) -> None:
     """The admin API's routes, one tether's or the supervisor's for its workers: the same
     paths and methods, so an operator, a probe or `tether abort` cannot tell them apart."""
@@ -65,6 +68,7 @@ def add_admin_routes(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/requests", list_requests)
     app.router.add_post("/admin/abort", abort_request)
+    app.router.add_post("/admin/cancel", cancel_request)
 
 
 def _context(request: web.Request) -> ProxyContext:
@@ -130,6 +134,48 @@ async def abort_request(request: web.Request) -> web.Response:
     ]
     peers = await ctx.fleet.abort(request_id) if scope == "fleet" else []
     return abort_answer(request_id, scope, ctx.fleet, aborted, peers)
+
+
+async def cancel_request(request: web.Request) -> web.Response:
+    """A cancel by ID another process asks of this one (a replica, or this replica's other
+    worker): the caller's requests with this ID held here, cancelled as on the serving port.
+    The caller comes as its keyed hash, never as a credential."""
+    ctx = _context(request)
+    try:
+        check_authorised(request, ctx.settings)
+        request_id, caller = await cancel_target(request)
+    except AdminError as error:
+        return error_response(error)
+    done = await request.app[PROXY_APP][CANCEL_ROUTES].cancel_local(request_id, caller)
+    return cancel_answer(ctx.fleet, done)
+
+
+def cancel_answer(fleet: Fleet, done: Cancellation) -> web.Response:
+    """The answer to a peer's cancel: what was cancelled here, and where here is."""
+    return web.json_response(
+        {
+            "replica": fleet.replica,
+            "instance": fleet.instance_id,
+            "cancelled": done.cancelled,
+            "engine": done.engine,
+        }
+    )
+
+
+async def cancel_target(request: web.Request) -> tuple[str, bytes | None]:
+    """The request ID and caller hash a peer's cancel names."""
+    problem = InvalidAdminBodyError(
+        'send a JSON object like {"request_id": "<id>", "caller": "<hex>" or null}'
+    )
+    try:
+        payload = await request.json()
+        request_id = payload["request_id"]
+        caller = payload.get("caller")
+        if not isinstance(request_id, str) or not request_id:
+            raise problem
+        return request_id, bytes.fromhex(caller) if caller is not None else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise problem from None
 
 
 def abort_answer(

@@ -1,15 +1,18 @@
-"""`create_app(settings)`: app keys and cleanup contexts: everything that outlives a request.
+"""`create_app(settings)`: app keys and cleanup contexts: everything that outlives a request;
+and `client_port_handler`, the routes of the client port.
 
 Requests themselves are served by a low-level aiohttp server (`runner.py`) with one handler
-for every path: a proxy has no routes to resolve, and skipping the router is a few percent of
-the CPU of every request.
+for every path: a proxy has next to no routes to resolve (tether's own are the cancel routes,
+told apart by a prefix), and skipping the router is a few percent of the CPU of every
+request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, cast
 
 from aiohttp import web
@@ -25,10 +28,13 @@ from ..request.registry import Registry
 from ..settings import RequestIdMode, Settings
 from ..upstream.client import UpstreamClient
 from ..upstream.pool import UploadLimit
+from ..wire.callers import Callers, caller_key
 from ..wire.ids import IdMinter
+from .cancel import CANCEL_ROUTES, CancelRoutes
 from .context import CONTEXT, ProxyContext, UsageAsking
 from .engine_identity import EngineIdentity
 from .fleet import Fleet
+from .handler import proxy_request
 from .health import Readiness
 
 if TYPE_CHECKING:
@@ -39,6 +45,8 @@ SETTINGS = web.AppKey("tether_settings", Settings)
 # from the OTEL_* environment.
 TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
 FAULTS = web.AppKey("tether_faults", Faults)
+# The key callers are hashed with, as the supervisor hands it to its workers (`wire.callers`).
+CALLER_KEY = web.AppKey("tether_caller_key", bytes)
 
 
 # How long start-up waits for the engine to say what it is (an engine that is up answers in
@@ -47,9 +55,13 @@ _FIRST_ASK_SECONDS = 2.0
 
 
 def create_app(
-    settings: Settings, tracer_provider: object | None = None, faults: Faults | None = None
+    settings: Settings,
+    tracer_provider: object | None = None,
+    faults: Faults | None = None,
+    caller_key: bytes | None = None,
 ) -> web.Application:
-    """`faults`: a test's own failures at named points (`proxy.faults`); None in production."""
+    """`faults`: a test's own failures at named points (`proxy.faults`); None in production.
+    `caller_key`: the key a supervisor shares with its workers (None: one process)."""
     # Never served itself (runner.py serves requests): it holds the keys and lifetimes.
     app = web.Application()
     app[SETTINGS] = settings
@@ -57,8 +69,15 @@ def create_app(
         app[TRACER_PROVIDER] = tracer_provider
     if faults is not None:
         app[FAULTS] = faults
+    if caller_key is not None:
+        app[CALLER_KEY] = caller_key
     app.cleanup_ctx.append(_proxy_context)
     return app
+
+
+def _caller_key(settings: Settings, app: web.Application) -> bytes:
+    token = settings.admin_token
+    return caller_key(token.get_secret_value() if token is not None else None, app.get(CALLER_KEY))
 
 
 async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
@@ -73,7 +92,7 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
             UpstreamClient.open(
                 settings, keepalive_seconds=KEEPALIVE_SECONDS, uploads=uploads
             ) as upstream,
-            Fleet.open(settings) as fleet,
+            Fleet.open(settings, worker=CALLER_KEY in app) as fleet,
         ):
             identity = EngineIdentity(settings, upstream, metrics)
             # Asked before the first client is served, where the engine answers at once (it
@@ -86,7 +105,7 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
             )
             faults = app.get(FAULTS)
             aborts = AbortTracker(settings, upstream, AbortReport(metrics), faults)
-            app[CONTEXT] = ProxyContext(
+            app[CONTEXT] = ctx = ProxyContext(
                 settings=settings,
                 identity=identity,
                 upstream=upstream,
@@ -97,9 +116,11 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 readiness=readiness,
                 fleet=fleet,
                 ids=IdMinter(),
+                callers=Callers(_caller_key(settings, app), settings.cancel_credential_header),
                 usage=UsageAsking(settings.ask_for_usage),
                 faults=faults,
             )
+            app[CANCEL_ROUTES] = CancelRoutes(ctx, functools.partial(proxy_request, ctx))
             monitor = asyncio.create_task(readiness.run(), name="readiness")
             try:
                 yield
@@ -109,3 +130,20 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                     await monitor
                 await identity.close()
                 await aborts.drain()
+
+
+def client_port_handler(
+    app: web.Application,
+) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    """The handler for every request on the client port (once the app has started): tether's
+    own routes (cancel by ID, `cancel.CancelRoutes`), else the engine's, forwarded."""
+    ctx = app[CONTEXT]
+    own = app[CANCEL_ROUTES]
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        route = own.route(request)
+        if route is not None:
+            return await route(request)
+        return await proxy_request(ctx, request)
+
+    return handle

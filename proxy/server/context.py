@@ -15,6 +15,7 @@ from ..request.accounting import Accounting
 from ..request.registry import Registry
 from ..settings import Settings
 from ..upstream.client import UpstreamClient
+from ..wire.callers import Callers
 from ..wire.ids import IdMinter
 from .engine_identity import EngineIdentity
 from .fleet import Fleet
@@ -57,6 +58,7 @@ class ProxyContext:
     readiness: Readiness
     fleet: Fleet
     ids: IdMinter
+    callers: Callers  # the keyed hash of a request's credential: who may cancel it
     usage: UsageAsking
     faults: Faults | None  # a test's failures at named points; None in production
 

@@ -39,10 +39,21 @@ class PeerResult:
         return result
 
 
+@dataclass(frozen=True, slots=True)
+class PeerCancellation:
+    """What the replica that held a request answered to a cancel by ID."""
+
+    replica: str
+    cancelled: int
+    engine: str | None
+
+
 class Fleet:
     """The other replicas' admin APIs, as far as this one knows them."""
 
-    def __init__(self, settings: Settings, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self, settings: Settings, session: aiohttp.ClientSession, *, worker: bool = False
+    ) -> None:
         self._dns = (
             split_host_port(settings.fleet_dns, settings.admin_port)
             if settings.fleet_dns is not None
@@ -52,7 +63,19 @@ class Fleet:
             split_host_port(peer, settings.admin_port) for peer in settings.fleet_peers
         )
         self._timeout = aiohttp.ClientTimeout(total=settings.fleet_timeout)
+        # A peer's cancel answers once its engine's stop is known (bounded by its confirm
+        # timeout) on top of the call itself.
+        self._cancel_timeout = aiohttp.ClientTimeout(
+            total=settings.fleet_timeout + settings.abort_confirm_timeout + 1.0
+        )
         self._token = settings.admin_token
+        # A supervisor's worker reaches the other workers through the supervisor's admin port
+        # (which asks each of them), where an admin token lets it call that port.
+        self._supervisor = (
+            (_local_address(settings.admin_host), settings.admin_port)
+            if worker and self._token is not None
+            else None
+        )
         self._session = session
         # This replica, told apart from the others in a fan-out (a DNS answer lists it too):
         # a random instance ID, and the host name operators know it by (the pod's name).
@@ -61,20 +84,26 @@ class Fleet:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, settings: Settings) -> AsyncIterator[Fleet]:
+    async def open(cls, settings: Settings, *, worker: bool = False) -> AsyncIterator[Fleet]:
         # Peer calls use connections of their own: never the engine's, never warm for long.
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True, limit=0),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         try:
-            yield cls(settings, session)
+            yield cls(settings, session, worker=worker)
         finally:
             await session.close()
 
     @property
     def configured(self) -> bool:
         return self._dns is not None or bool(self._static)
+
+    @property
+    def cancels_elsewhere(self) -> bool:
+        """Whether a cancel not held here can be asked of other processes (replicas, or this
+        replica's other workers)."""
+        return self.configured or self._supervisor is not None
 
     async def peers(self) -> list[tuple[str, int]]:
         """Every replica address: all records of the DNS name, then the static list."""
@@ -100,11 +129,53 @@ class Fleet:
         )
         return [result for result in results if result is not None]
 
-    async def _abort_on(self, host: str, port: int, request_id: str) -> PeerResult | None:
+    async def cancel(self, request_id: str, caller: bytes | None) -> PeerCancellation | None:
+        """Ask every peer to cancel the caller's requests with this ID; the answer of the
+        first (normally the only) one that held any, or None. The caller goes as its keyed
+        hash (the same on every replica: the key derives from the admin token)."""
+        peers = await self.peers()
+        if self._supervisor is not None:
+            peers.insert(0, self._supervisor)
+        body = json.dumps(
+            {"request_id": request_id, "caller": caller.hex() if caller is not None else None}
+        )
+        answers = await asyncio.gather(*(self._cancel_on(host, port, body) for host, port in peers))
+        held = [answer for answer in answers if answer is not None and answer.cancelled]
+        return held[0] if held else None
+
+    async def _cancel_on(self, host: str, port: int, body: str) -> PeerCancellation | None:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            async with self._session.post(
+                f"http://{address}/admin/cancel",
+                data=body,
+                headers=self._headers(),
+                timeout=self._cancel_timeout,
+            ) as response:
+                payload = await response.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None  # a replica that cannot answer holds nothing we can cancel
+        if response.status != 200 or not isinstance(payload, dict):
+            return None
+        if payload.get("instance") == self.instance_id:
+            return None
+        cancelled = payload.get("cancelled")
+        engine = payload.get("engine")
+        return PeerCancellation(
+            replica=str(payload.get("replica")),
+            cancelled=cancelled if isinstance(cancelled, int) else 0,
+            engine=engine if isinstance(engine, str) else None,
+        )
+
+    def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self._token is not None:
             headers["Authorization"] = f"Bearer {self._token.get_secret_value()}"
+        return headers
+
+    async def _abort_on(self, host: str, port: int, request_id: str) -> PeerResult | None:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        headers = self._headers()
         body = json.dumps({"request_id": request_id, "scope": "local"})
         try:
             async with self._session.post(
@@ -128,3 +199,10 @@ class Fleet:
             replica=str(payload.get("replica")),
             aborted=tuple(str(item) for item in aborted) if isinstance(aborted, list) else (),
         )
+
+
+def _local_address(host: str) -> str:
+    """An address of this machine's `host` listener to connect to (a wildcard: loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    return "::1" if host == "::" else host

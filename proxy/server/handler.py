@@ -26,6 +26,7 @@ from ..errors import (
     HttpVersionNotSupportedError,
     InternalError,
     MethodNotAllowedError,
+    RequestCancelledError,
     RequestHeadTooLargeError,
     RequestTimeoutError,
     RouteNotAllowedError,
@@ -47,7 +48,7 @@ from ..upstream.exchange import SinkClosedError, UpstreamExchange
 from ..wire.headers import client_head_size, upstream_request_headers
 from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .context import ProxyContext
-from .respond import answer_failure, reject, relay_response, response_started
+from .respond import answer_failure, end_stream, reject, relay_response, response_started
 
 _CONTENT_LENGTH = istr("Content-Length")
 
@@ -88,6 +89,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         connection=request.protocol,
         id_in_header=named is not None,
         websocket=websocket,
+        caller=ctx.callers.of(request.headers),
     )
     ctx.registry.add(state)
     ctx.accounting.began(state, request.headers)
@@ -119,6 +121,13 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         sent = response_started(state)
         if sent is not None:  # cut mid-response: the status it started with stands
             state.ending = Ending(outcome, sent.status)
+            if outcome is Outcome.CANCELLED and state.relay is not None:
+                if state.relay.ended_at_boundary:
+                    # Its caller cancelled it and its stream stopped after a whole event:
+                    # it ends as a complete HTTP response, not a cut one.
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    await end_stream(sent)
+                    return sent
             raise
         # tether cancelled it (admin abort, shutdown) before any byte went out and the client
         # is still there: it gets a 503 it may retry elsewhere, then the connection closes.
@@ -276,6 +285,8 @@ def _refuse_unforwardable(
 
 
 def _stopped_by_tether(outcome: Outcome) -> StoppedByTetherError:
+    if outcome is Outcome.CANCELLED:
+        return RequestCancelledError()
     return AdminAbortedError() if outcome is Outcome.ADMIN_ABORTED else ShuttingDownError()
 
 

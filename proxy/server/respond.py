@@ -7,6 +7,7 @@ disconnect."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -205,6 +206,14 @@ async def _to_client(write: Awaitable[_T]) -> _T:
         return await write
     except ConnectionError as exc:
         raise ClientGoneError(str(exc)) from exc
+
+
+async def end_stream(response: web.StreamResponse) -> None:
+    """A stream cut short after a whole event: its end (the last chunk), then the connection
+    closes (the engine's connection is being stopped; nothing else follows on this one)."""
+    response.force_close()
+    with contextlib.suppress(ClientGoneError):
+        await _to_client(response.write_eof())
 
 
 def response_started(state: RequestState) -> web.StreamResponse | None:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import os
 import socket
@@ -20,9 +19,8 @@ from ..faults import Faults
 from ..outcomes import Outcome
 from ..settings import Settings
 from .admin import create_admin_app
-from .app import create_app
+from .app import client_port_handler, create_app
 from .context import CONTEXT, ProxyContext
-from .handler import proxy_request
 
 log = structlog.get_logger("tether.runner")
 
@@ -83,6 +81,7 @@ class WorkerSeat:
     index: int
     port: int
     admin_socket: str
+    caller_key: bytes | None = None  # shared by all the supervisor's workers (`wire.callers`)
 
 
 def started_facts(settings: Settings) -> dict[str, str]:
@@ -107,7 +106,9 @@ class TetherServer:
     ) -> None:
         self.settings = settings
         self.seat = seat
-        self.app = create_app(settings, tracer_provider, faults)
+        self.app = create_app(
+            settings, tracer_provider, faults, seat.caller_key if seat is not None else None
+        )
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner = web.AppRunner(
             create_admin_app(self.app), handle_signals=False, access_log=None
@@ -130,7 +131,7 @@ class TetherServer:
         self.app.freeze()
         self._proxy_runner = web.ServerRunner(
             web.Server(
-                functools.partial(proxy_request, self.context),
+                client_port_handler(self.app),
                 # A client that leaves cancels its handler at once, in every phase.
                 handler_cancellation=True,
                 # aiohttp closes a connection that has no complete request head this long

@@ -8,6 +8,7 @@ left."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from enum import Enum
 
 from aiohttp.abc import AbstractStreamWriter
@@ -29,6 +30,8 @@ class _Mode(Enum):
     CLIENT = 1
     BUFFER = 2
     DISCARD = 3  # the client has left
+    # Its caller cancelled it: the event in progress goes to the client, nothing after it.
+    ENDING = 4
 
 
 # Compiled, a class may only be subclassed in Python where it says so: the tests inject a
@@ -44,12 +47,15 @@ class ResponseRelay:
         "_exchange",
         "_high_water",
         "_is_sse",
+        "_last_written",
         "_mapper",
         "_mode",
+        "_on_boundary",
         "_pacer",
         "_transport",
         "_usage",
         "bytes_out",
+        "ended_at_boundary",
         "sse_events",
         "tokens",
         "tokens_relayed",
@@ -74,6 +80,11 @@ class ResponseRelay:
         # Pauses reading the engine while the client's socket buffer drains.
         self._pacer: ReadPacer | None = None
         self._buffer: list[bytes] = []
+        self._last_written = b""
+        self._on_boundary: Callable[[], None] | None = None
+        # The client's stream was ended after a whole event (a cancel by ID): its response
+        # can be finished cleanly.
+        self.ended_at_boundary = False
         self.tokens = tokens
         # Token-carrying events that went to the client (set when it leaves; until then
         # every counted event did).
@@ -107,12 +118,33 @@ class ResponseRelay:
         if self._mode is _Mode.DISCARD:
             return
         if self.tokens_relayed is None:
-            self.tokens_relayed = self.tokens.events if self._mode is _Mode.CLIENT else 0
+            relaying = self._mode is _Mode.CLIENT or self._mode is _Mode.ENDING
+            self.tokens_relayed = self.tokens.events if relaying else 0
         self._mode = _Mode.DISCARD
         self._exchange.forbid_reuse()
         if self._pacer is not None:
             self._pacer.stop()
         self._exchange.resume_reading()
+
+    def end_at_event_boundary(self, then: Callable[[], None]) -> None:
+        """Its caller cancelled the request: the client's stream ends after the event in
+        progress (never inside one), then `then` is called; at once where no event is in
+        progress, or where the body is not a stream of events (it can only be cut)."""
+        if self._mode is not _Mode.CLIENT or not self._is_sse:
+            then()
+            return
+        self._on_boundary = then
+        if self.bytes_out == 0 or _event_end(b"", self._last_written) == 0:
+            self._end_here()
+        else:
+            self._mode = _Mode.ENDING
+
+    def _end_here(self) -> None:
+        self.ended_at_boundary = True
+        self.discard()
+        then, self._on_boundary = self._on_boundary, None
+        if then is not None:
+            then()
 
     # --- the hot path ----------------------------------------------------------------------
 
@@ -122,7 +154,7 @@ class ResponseRelay:
         if mode is _Mode.BUFFER:
             self._buffer.append(chunk)
             return
-        if mode is not _Mode.CLIENT:
+        if mode is not _Mode.CLIENT and mode is not _Mode.ENDING:
             return
         if self._usage is not None:
             chunk = self._usage.feed(chunk)
@@ -132,20 +164,31 @@ class ResponseRelay:
             chunk = self._mapper.feed(chunk)
             if not chunk:
                 return
+        end = -1
+        if mode is _Mode.ENDING:
+            end = _event_end(chunk, self._last_written)
+            if end >= 0:
+                chunk = chunk[:end]
         transport = self._transport
         assert transport is not None
         if transport.is_closing():
             self._transport_closed()
             return
-        if not self._chunked:
+        if not chunk:
+            pass  # the event in progress had ended with the last write
+        elif not self._chunked:
             transport.write(chunk)
         elif len(chunk) < _COPY_BELOW:
             transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         else:  # a large read (the engine outpacing the client): framed without a copy
             transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
         self.bytes_out += len(chunk)
+        self._last_written = chunk
         if self._is_sse:
             self.sse_events += chunk.count(b"\n\n")
+        if end >= 0:
+            self._end_here()
+            return
         if transport.get_write_buffer_size() > self._high_water:
             # The client reads slower than the engine writes: stop reading the engine until
             # the client's socket drains (TCP flow control then paces the engine).
@@ -197,3 +240,25 @@ class ResponseRelay:
     @property
     def relaying(self) -> bool:
         return self._mode is _Mode.CLIENT
+
+
+def _event_end(chunk: bytes, before: bytes) -> int:
+    """Where the first server-sent event ending in `chunk` ends (the length of `chunk` up to
+    and with its blank line), -1 when none does; `before`: the bytes written just before it,
+    for a blank line split across chunks (an empty `chunk`: 0 when `before` ended an event)."""
+    for done, rest in _SPLIT_BLANK_LINES:
+        if before.endswith(done) and chunk.startswith(rest):
+            return len(rest)
+    ends = [at + len(mark) for mark in (b"\n\n", b"\r\n\r\n") if (at := chunk.find(mark)) >= 0]
+    return min(ends) if ends else -1
+
+
+# An event's blank line as two writes may split it: what the first ended with, what the
+# second must start with.
+_SPLIT_BLANK_LINES = (
+    (b"\n\n", b""),
+    (b"\r\n\r\n", b""),
+    (b"\n", b"\n"),
+    (b"\r\n", b"\r\n"),
+    (b"\r\n\r", b"\n"),
+)

@@ -26,7 +26,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..errors import AdminError, FleetNotConfiguredError, error_response
-from ..server.admin import abort_answer, abort_target, add_admin_routes, check_authorised
+from ..server.admin import (
+    abort_answer,
+    abort_target,
+    add_admin_routes,
+    cancel_answer,
+    cancel_target,
+    check_authorised,
+)
+from ..server.cancel import Cancellation
 from ..server.fleet import Fleet
 from ..settings import Settings
 from . import metrics_sum
@@ -56,6 +64,7 @@ def create_supervisor_app(settings: Settings, count: int) -> web.Application:
         metrics=metrics,
         list_requests=list_requests,
         abort_request=abort_request,
+        cancel_request=cancel_request,
     )
     return app
 
@@ -188,6 +197,34 @@ async def abort_request(request: web.Request) -> web.Response:
     if errors:
         return abort_answer(request_id, scope, fleet, aborted, peers, worker_errors=errors)
     return abort_answer(request_id, scope, fleet, aborted, peers)
+
+
+async def cancel_request(request: web.Request) -> web.Response:
+    """A cancel by ID for the workers (asked by one of them, or by another replica): each
+    worker's local cancel; the answer of the one that held the request."""
+    settings = request.app[SETTINGS]
+    try:
+        check_authorised(request, settings)
+        request_id, caller = await cancel_target(request)
+    except AdminError as error:
+        return error_response(error)
+    token = settings.admin_token
+    assert token is not None
+    hashed = caller.hex() if caller is not None else None
+
+    async def cancel(worker: Worker) -> dict[str, object]:
+        return await worker.admin.cancel(request_id, hashed, token)
+
+    answers, _ = await _ask_running(request.app[SUPERVISOR], cancel, "/admin/cancel")
+    held = [a for a in answers if isinstance(a.get("cancelled"), int) and a["cancelled"]]
+    if not held:
+        return cancel_answer(request.app[FLEET], Cancellation(0, None))
+    engine = held[0].get("engine")
+    cancelled = held[0]["cancelled"]
+    assert isinstance(cancelled, int)
+    return cancel_answer(
+        request.app[FLEET], Cancellation(cancelled, engine if isinstance(engine, str) else None)
+    )
 
 
 async def _ask_running(

@@ -8,7 +8,7 @@ problem instead of an answer that silently leaves it out.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -92,13 +92,24 @@ class WorkerAdmin:
             raise WorkerAdminError(self.index, f"/admin/abort answered {status}")
         return [str(item) for item in aborted]
 
+    async def cancel(
+        self, request_id: str, caller: str | None, token: SecretStr
+    ) -> dict[str, object]:
+        """Cancel the caller's (`caller`: its hash, hex) requests with this ID held by this
+        worker; its answer."""
+        body = {"request_id": request_id, "caller": caller}
+        status, payload = await self._call("POST", "/admin/cancel", token=token, body=body)
+        if status != 200 or not isinstance(payload, dict):
+            raise WorkerAdminError(self.index, f"/admin/cancel answered {status}")
+        return payload
+
     async def _call(
         self,
         method: str,
         path: str,
         *,
         token: SecretStr | None = None,
-        body: dict[str, str] | None = None,
+        body: Mapping[str, str | None] | None = None,
     ) -> tuple[int, object]:
         headers = {}
         if token is not None:

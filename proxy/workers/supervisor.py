@@ -26,6 +26,7 @@ from prometheus_client.metrics_core import Metric
 
 from ..server.runner import tcp_socket
 from ..settings import Settings
+from ..wire.callers import KEY_BYTES
 from . import metrics_sum
 from .client import WorkerAdmin
 
@@ -99,6 +100,10 @@ class Supervisor:
         # What exited workers counted, so the sums over workers never go down.
         self.retired_metrics: list[Metric] = []
         self._watchers: list[asyncio.Task[None]] = []
+        # The key the workers hash callers with (`wire.callers`): one for all of them and for
+        # their restarts, so that a cancel reaching any worker matches a request on another.
+        # With an admin token each derives it from that instead.
+        self._caller_key = os.urandom(KEY_BYTES)
 
     @classmethod
     @asynccontextmanager
@@ -141,6 +146,19 @@ class Supervisor:
         ]
 
     async def _spawn(self, worker: Worker) -> None:
+        # The caller key goes through a pipe: never in the environment or the command line,
+        # which other processes can read.
+        key_read, key_write = os.pipe()
+        try:
+            os.write(key_write, self._caller_key)
+            os.close(key_write)
+            await self._spawn_with(worker, key_read)
+        finally:
+            os.close(key_read)
+            with contextlib.suppress(OSError):
+                os.close(key_write)
+
+    async def _spawn_with(self, worker: Worker, key_fd: int) -> None:
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -153,7 +171,9 @@ class Supervisor:
             worker.admin_socket,
             "--lifeline-fd",
             str(self._lifeline),
-            pass_fds=(self._lifeline,),
+            "--caller-key-fd",
+            str(key_fd),
+            pass_fds=(self._lifeline, key_fd),
             stdin=asyncio.subprocess.DEVNULL,
         )
         worker.started_at = asyncio.get_running_loop().time()

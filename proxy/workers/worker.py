@@ -29,14 +29,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--admin-socket", required=True)
     parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--caller-key-fd", type=int, required=True)
     args = parser.parse_args(argv)
+    caller_key = _read_key(args.caller_key_fd)
     # The supervisor validated the same environment; this only fails if it changed.
     settings = boot(f"tether worker {args.index}", worker=args.index)
     if settings is None:
         return 2
-    seat = WorkerSeat(args.index, args.port, args.admin_socket)
+    seat = WorkerSeat(args.index, args.port, args.admin_socket, caller_key)
     uvloop.run(_serve(settings, seat, args.lifeline_fd))
     return 0
+
+
+def _read_key(fd: int) -> bytes:
+    """The caller key the supervisor wrote into the pipe (then closed: end of file follows)."""
+    with os.fdopen(fd, "rb") as pipe:
+        return pipe.read()
 
 
 async def _serve(settings: Settings, seat: WorkerSeat, lifeline_fd: int) -> None:
