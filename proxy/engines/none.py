@@ -1,6 +1,6 @@
-"""none: an engine with no abort call tether can make (TGI, llama.cpp's server, Ollama, or one
-nobody described): closing the upstream connection is the only lever, and tether sends no
-abort at all.
+"""none: an engine with no abort call tether can make (TGI, Ollama, or one nobody
+described): closing the upstream connection is the only lever, and tether sends no abort at
+all.
 
 tether knows none of its routes or control routes: every known engine's control routes are
 blocked in front of it, with those of the servers that typically run as `none`.
@@ -36,6 +36,7 @@ class Profile(EngineProfile):
     # TGI's native generation routes.
     generation_routes = frozenset({"/generate", "/generate_stream"})
     probe_routes = frozenset()
+    session_header = None
     sends_aborts = False
     merges_aborts = False
     confirm_rule = UNKNOWN_CONFIRM
