@@ -65,6 +65,9 @@ class RequestState:
     phase: Phase = Phase.BODY
     id_in_header: bool = False  # the client named the request in the request-ID header
     websocket: bool = False  # it asks for a WebSocket session
+    # The session the client named in the engine's session header (llama.cpp's
+    # X-Conversation-Id): the engine runs it on after the connection closes.
+    engine_session: str | None = None
     body: BodyFacts = NOTHING_LEARNT  # what tether learnt from its body, once sent
     # The client's ID as the engine would have written it into its answer, where that is
     # not `client_request_id` (SGLang answers with a body `rid` over the header's).

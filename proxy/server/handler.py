@@ -88,6 +88,9 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         connection=request.protocol,
         id_in_header=named is not None,
         websocket=websocket,
+        engine_session=(
+            request.headers.get(engine.session_header) if engine.session_header else None
+        ),
     )
     ctx.registry.add(state)
     ctx.accounting.began(state, request.headers)

@@ -16,7 +16,13 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict, istr
 
-from ..errors import ClientGoneError, InvalidRequestIdError, TetherError, error_response
+from ..errors import (
+    ClientGoneError,
+    InvalidRequestIdError,
+    TetherError,
+    UpstreamBrokenError,
+    error_response,
+)
 from ..faults import RESPONSE_HEAD, STREAM_END
 from ..outcomes import Phase
 from ..request.state import Ending, RequestState
@@ -24,7 +30,13 @@ from ..request.websocket import SWITCHING_HEADERS, ClientFrames
 from ..upstream.connection import ResponseHead
 from ..upstream.relay import ResponseRelay
 from ..wire.headers import client_response_headers
-from ..wire.ids import IdMapper, InvalidClientRequestId, check_client_request_id, json_escaped
+from ..wire.ids import (
+    IdMapper,
+    InvalidClientRequestId,
+    MintedIdMapper,
+    check_client_request_id,
+    json_escaped,
+)
 from ..wire.tokens import TokenCounter, TokenShape
 from ..wire.usage_events import UsageEventFilter
 from .context import ProxyContext
@@ -74,6 +86,9 @@ def _id_mapper(head: ResponseHead, state: RequestState) -> IdMapper | None:
     if media_type not in _MAPPED_TYPES and not media_type.endswith("+json"):
         return None
     echo_id = state.echo_id or state.client_request_id
+    if state.route is not None and state.route.minted_id_prefix is not None:
+        # The engine ignored every ID and minted its own: the client's goes in its place.
+        return MintedIdMapper(state.route.minted_id_prefix, json_escaped(echo_id))
     if state.internal_request_id == echo_id:
         return None  # preserve mode: the engine already used the client's ID
     return IdMapper(state.internal_request_id, json_escaped(echo_id))
@@ -133,10 +148,26 @@ async def _relay_stream(
     if ctx.faults is not None:
         ctx.faults.at(STREAM_END)
     state.relay.finish()
+    _refuse_cut_session(state, sse=sse)
     if state.relay.engine_reports_usage:
         ctx.usage.engine_reports_usage()
     await _to_client(response.write_eof())
     return response
+
+
+def _refuse_cut_session(state: RequestState, *, sse: bool) -> None:
+    """A session's stream (llama.cpp's conversation) that ended without its last event was
+    cut, by a second request naming the same session: the client's stream is cut too, so
+    that it can never pass for a complete one (straight, its body ends cleanly)."""
+    route, relay = state.route, state.relay
+    if state.engine_session is None or not sse or route is None or route.stream_end is None:
+        return
+    assert relay is not None
+    if not relay.tokens.ended_with(route.stream_end):
+        raise UpstreamBrokenError(
+            "the engine ended the stream without its last event: another request with the "
+            f"same {state.engine.session_header} took the session over"
+        )
 
 
 async def _relay_websocket(
