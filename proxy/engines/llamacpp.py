@@ -83,6 +83,10 @@ ROUTES = (
     # and not a handle llama-server keeps (it stores no responses), so left as they are.
     Route("/v1/responses", None, TokenShape.RESPONSES, stream_end=_RESPONSE_COMPLETED),
     Route("/responses", None, TokenShape.RESPONSES, stream_end=_RESPONSE_COMPLETED),
+    # A conversation stream's replay (`?conv_id=<id>&from=N`): the events as llama-server
+    # stored them, under the ID it minted, which the replaying client gets as its own too
+    # (the same events as live when it names itself as it did then). Nothing generated.
+    Route(STOP_PATH, None, TokenShape.NONE, minted_id_prefix=MINTED_ID_PREFIX),
     # The native APIs carry no ID.
     Route("/completion", None, NATIVE, stream_end=_NATIVE_STOP),
     Route("/completions", None, NATIVE, stream_end=_NATIVE_STOP),

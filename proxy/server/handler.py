@@ -88,8 +88,11 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         connection=request.protocol,
         id_in_header=named is not None,
         websocket=websocket,
+        # Only a POST starts a session's stream (a replay's GET is not the session).
         engine_session=(
-            request.headers.get(engine.session_header) if engine.session_header else None
+            request.headers.get(engine.session_header)
+            if engine.session_header and request.method == "POST"
+            else None
         ),
     )
     ctx.registry.add(state)
