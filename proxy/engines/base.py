@@ -158,6 +158,10 @@ class Route:
     # session the engine may hand to another request (llama.cpp's conversation) that ends
     # without it was cut, not completed. None: not checked.
     stream_end: bytes | None = None
+    # A non-streaming request here is sent to the engine as a stream and its answer
+    # assembled from the events (`wire.answer_assembly`): an engine that notices a client
+    # that left only when it writes (llama-server) then notices at its next token.
+    assembles_answer: bool = False
     # The body field in which a client names its request to the engine (vLLM's `request_id`,
     # SGLang's `rid`): the engine writes that name into its answer, so tether gives the
     # client its value back. None where the engine's ID is the client's handle for follow-up

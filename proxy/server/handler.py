@@ -204,6 +204,10 @@ async def _send(
         ask_for_usage=ctx.usage.enabled,
         json_rule=engine.json_rule,
         keep_client_id=preserving(state) and not state.id_in_header,
+        # (not a session's request: sent as a stream, it would outlive its connection)
+        assemble=state.route is not None
+        and state.route.assembles_answer
+        and state.engine_session is None,
     )
     state.body = facts = outgoing.facts
     engine_requests = (facts.batch or 1) * facts.samples

@@ -29,6 +29,7 @@ from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, ClientFrames
 from ..upstream.connection import ResponseHead
 from ..upstream.relay import ResponseRelay
+from ..wire.answer_assembly import AnswerAssembler
 from ..wire.headers import client_response_headers
 from ..wire.ids import (
     IdMapper,
@@ -47,6 +48,9 @@ _CONTENT_ENCODING = istr("Content-Encoding")
 _CONTENT_TYPE = istr("Content-Type")
 # Response bodies in which the internal ID is replaced by the client's.
 _MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
+# What llama-server's non-streaming answers carry, and what only its streams do.
+_JSON = "application/json; charset=utf-8"
+_STREAM_ONLY_HEADERS = (istr("X-Accel-Buffering"), istr("Cache-Control"))
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
@@ -63,6 +67,8 @@ async def relay_response(
     mapper = _id_mapper(head, state)
     tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
     sse = _is_sse(head)
+    if state.body.assembled and head.status == 200 and sse:
+        return await _relay_assembled(request, head, state, ctx, tokens, mapper)
     usage = (
         UsageEventFilter(restore_fingerprint=state.engine.usage_takes_fingerprint)
         if state.body.usage_asked and sse
@@ -115,6 +121,46 @@ async def _relay_whole(
     # Written here rather than by aiohttp once the handler returns: the client has its answer
     # before the request is reported (its log line, metrics and span cost a request's
     # latency otherwise), and "completed" means it was written.
+    await _to_client(response.prepare(request))
+    await _to_client(response.write_eof())
+    return response
+
+
+async def _relay_assembled(
+    request: web.BaseRequest,
+    head: ResponseHead,
+    state: RequestState,
+    ctx: ProxyContext,
+    tokens: TokenCounter,
+    mapper: IdMapper | None,
+) -> web.StreamResponse:
+    """A non-streaming request tether sent as a stream: the events are read as they come
+    (the engine writes each token, so it notices at once if tether lets go) and the client
+    gets the answer they make, as the engine would have answered it."""
+    assert state.upstream is not None
+    assembler = AnswerAssembler()
+    state.relay = ResponseRelay(state.upstream, tokens, None, assembler=assembler)
+    state.relay.to_buffer()
+    state.upstream.attach(state.relay)
+    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    assembled = assembler.answer()
+    if assembled is None:
+        raise UpstreamBrokenError(
+            "the engine's stream did not make a whole answer"
+            + (f" ({assembler.unfaithful})" if assembler.unfaithful else "")
+        )
+    status, body = assembled
+    if mapper is not None:
+        body = mapper.feed(body) + mapper.flush()
+    state.relay.bytes_out = len(body)
+    headers = _client_headers(head, state, ctx, rewritten=True)
+    for name in _STREAM_ONLY_HEADERS:
+        headers.popall(name, None)
+    headers[_CONTENT_TYPE] = _JSON
+    response = web.Response(status=status, headers=headers, body=body)
+    if ctx.readiness.draining:
+        response.force_close()
+    state.client_response = response
     await _to_client(response.prepare(request))
     await _to_client(response.write_eof())
     return response
