@@ -151,11 +151,48 @@ async def test_every_answer_is_counted_from_llama_servers_timings(
     async with http.post(url(server), json=chat_body(stream=stream, max_tokens=4)) as r:
         through = await r.read()
     await settled(server)
-    assert "stream_options" not in json.loads(engine.requests[0].body)
+    if stream:
+        assert "stream_options" not in json.loads(engine.requests[0].body)
     [line] = _finished(capsys.readouterr().out)
     assert (line["tokens_counted"], line["completion_tokens"]) == ("engine", 4)
     assert line["prompt_tokens"] == 3
     assert b'"timings"' in through
+
+
+async def test_a_non_streaming_answer_is_assembled_from_a_stream(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """A non-streaming chat request goes to llama-server as a stream (usage asked), so that
+    it notices a client that left at its next token; the client gets the answer the events
+    make: a JSON `chat.completion` with the message, finish reason and usage llama-server's
+    own answer has, under `chatcmpl-<client id>`."""
+    engine, engine_url, server = await _llamacpp(fake_engine, tether)
+    body = chat_body(stream=False, max_tokens=4)
+    async with http.post(engine_url + "/v1/chat/completions", json=body) as response:
+        straight = await response.json()
+    async with http.post(url(server), json=body, headers={"X-Request-Id": "whole"}) as response:
+        assert response.content_type == "application/json"
+        through = await response.json()
+    sent = json.loads(engine.requests[-1].body)
+    assert (sent["stream"], sent["stream_options"]) == (True, {"include_usage": True})
+    assert through["object"] == "chat.completion"
+    assert through["id"] == "chatcmpl-whole"
+    for key in ("message", "finish_reason"):
+        assert through["choices"][0][key] == straight["choices"][0][key]
+    assert through["usage"] == straight["usage"]
+    assert through["timings"]["predicted_n"] == 4
+
+
+async def test_a_request_with_tools_is_not_assembled(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """A non-streaming request tether cannot assemble faithfully (tools: their calls' IDs are
+    drawn anew) goes as it came."""
+    engine, _, server = await _llamacpp(fake_engine, tether)
+    body = {**chat_body(stream=False, max_tokens=2), "tools": [{"type": "function"}]}
+    async with http.post(url(server), json=body) as response:
+        assert response.status == 200
+    assert json.loads(engine.requests[-1].body)["stream"] is False
 
 
 async def test_an_abandoned_stream_is_counted_to_the_engines_last_token(
