@@ -14,6 +14,7 @@ import pytest
 from proxy.engines import Engine
 from proxy.engines.identify import PROBE_PATHS, identify
 from proxy.server.runner import TetherServer
+from proxy.wire.ids import MintedIdMapper
 from tether_fake_engine import AbortRoute, FakeEngine, GenerationState
 
 from .support.chat import chat_body, sse_ids
@@ -297,3 +298,12 @@ async def test_a_conversation_stream_read_to_its_end_completes(
         assert (await response.read()).endswith(b"data: [DONE]\n\n")
     await within(settled(server), 5, "tether to settle")
     assert engine.aborts == []
+
+
+def test_a_stream_without_a_minted_id_passes_at_once() -> None:
+    """The minted ID is learnt from a stream's first event; a stream whose first event has
+    none (a Responses conversation replayed) passes as it comes, never held back."""
+    mapper = MintedIdMapper("chatcmpl-", b"mine")
+    first = b'event: response.created\ndata: {"id":"resp_abc"}\n\n'
+    assert mapper.feed(first) == first
+    assert mapper.feed(b'data: {"id":"chatcmpl-zz"}\n\n') == b'data: {"id":"chatcmpl-zz"}\n\n'

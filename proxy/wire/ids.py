@@ -130,8 +130,8 @@ class MintedIdMapper(IdMapper):
     the bytes up to its end are held until then (a stream's first event carries it).
 
     Inside a JSON string every quote is escaped, so `"id":"` followed by the prefix only
-    appears as a member's name and value. A response with no such ID in its first 64 KiB
-    (an error, another format) passes as it came."""
+    appears as a member's name and value. A response with no such ID in its first event, or
+    in its first 64 KiB (an error, another format), passes as it came."""
 
     __slots__ = ("_learning", "_marker", "_seen")
 
@@ -152,7 +152,8 @@ class MintedIdMapper(IdMapper):
         end = data.find(b'"', at + len(self._marker)) if at >= 0 else -1
         if end >= 0:
             self._learn(data[at + len(self._marker) : end])
-        elif len(data) > self._MAX_SEEN:
+        elif (at < 0 and b"\n\n" in data) or len(data) > self._MAX_SEEN:
+            # A whole event without it (a stream's first carries it), or too much: none.
             self._learning = False
             self._needle = b""
         else:
