@@ -50,7 +50,7 @@ _CONTENT_TYPE = istr("Content-Type")
 _MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
 # What llama-server's non-streaming answers carry, and what only its streams do.
 _JSON = "application/json; charset=utf-8"
-_STREAM_ONLY_HEADERS = (istr("X-Accel-Buffering"), istr("Cache-Control"))
+_STREAM_ONLY_HEADERS = (istr("X-Accel-Buffering"),)
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
