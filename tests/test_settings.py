@@ -71,7 +71,7 @@ from .support.settings import make_settings
                 "TETHER_ENGINE": "none",
                 "TETHER_ALLOWED_PATHS": "public",
             },
-            "TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE=auto, vllm or sglang",
+            "TETHER_ALLOWED_PATHS=public needs TETHER_ENGINE=auto, vllm, sglang or llamacpp",
         ),
         (
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_BLOCKED_PATHS": "public"},

@@ -16,6 +16,8 @@ an abort call acts only on requests that arrived at the process its own connecti
 records every request, token, abort call and disconnect so tests can assert on what the
 engine saw and when.
 
+With `abort_route="llamacpp"` it plays llama.cpp's server instead (see `AbortRoute`).
+
 Per-request knobs ride in the JSON body, which real engines would ignore:
 `"fake": {"token_interval": s, "prefill": s, "fail_after": n, "stall_after": n}`.
 """
@@ -27,6 +29,7 @@ import asyncio
 import json
 import os
 import random
+import string
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -36,7 +39,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.engines import REQUEST_ID_HEADER, BodyField, Route, sglang, vllm
+from proxy.engines import REQUEST_ID_HEADER, BodyField, Route, llamacpp, sglang, vllm
 from proxy.wire.json_members import JsonObject
 
 _Handler = Callable[[web.Request], Awaitable[web.Response]]
@@ -49,6 +52,11 @@ class AbortRoute(StrEnum):
     SCALE_OUT = "scale-out"  # --enable-scale-out: POST /inference/v1/abort_requests
     NONE = "none"  # default `vllm serve`: 404 / 403
     SGLANG = "sglang"  # POST /abort_request {"rid": ...}: a rid it holds, then by prefix
+    # llama.cpp's server: no abort call but DELETE /v1/stream?conv_id= for a conversation
+    # stream (X-Conversation-Id), which runs on after its client leaves; it ignores every
+    # ID it is given and answers `chatcmpl-<32 random alphanumerics>`, with `timings`
+    # (`predicted_n`) on a stream's last event and in every answer.
+    LLAMACPP = "llamacpp"
 
 
 class GenerationState(StrEnum):
@@ -105,6 +113,9 @@ class Generation:
     aborted_ids: set[str] = field(default_factory=set)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    # llama.cpp: the conversation (X-Conversation-Id) a stream belongs to; such a stream
+    # runs on after its client leaves.
+    conversation: str | None = None
 
     @property
     def engine_id(self) -> str:
@@ -189,6 +200,8 @@ class FakeEngine:
         self.generations: dict[str, Generation] = {}
         self.aborts: list[SeenAbort] = []
         self.disconnects: list[tuple[str, float]] = []
+        # llama.cpp: the live stream of each conversation.
+        self.conversations: dict[str, Generation] = {}
         self._changed = asyncio.Condition()
         self.app = self._make_app()
 
@@ -240,6 +253,8 @@ class FakeEngine:
         app.router.add_post(_DEV_ABORT, self._counted(self._abort_vllm))
         app.router.add_post(_SCALE_OUT_ABORT, self._counted(self._abort_vllm))
         app.router.add_post(sglang.ABORT_PATH, self._counted(self._abort_sglang))
+        app.router.add_get("/props", self._props)
+        app.router.add_delete(llamacpp.STOP_PATH, self._counted(self._stop_conversation))
         app.router.add_route("*", "/echo/{tail:.*}", self._echo)
         app.on_shutdown.append(self._stop_generations)
         return app
@@ -258,17 +273,37 @@ class FakeEngine:
     def _plays_sglang(self) -> bool:
         return self.abort_route is AbortRoute.SGLANG
 
+    @property
+    def plays_llamacpp(self) -> bool:
+        return self.abort_route is AbortRoute.LLAMACPP
+
     async def _models(self, request: web.Request) -> web.Response:
         card: dict[str, object] = {"id": "fake", "object": "model"}
         if self.identifiable:
-            card["owned_by"] = "sglang" if self._plays_sglang else "vllm"
+            card["owned_by"] = (
+                "sglang" if self._plays_sglang else "llamacpp" if self.plays_llamacpp else "vllm"
+            )
         return web.json_response({"object": "list", "data": [card]})
 
     async def _version(self, request: web.Request) -> web.Response:
         """vLLM's `/version` (SGLang serves none)."""
-        if not self.identifiable or self._plays_sglang:
+        if not self.identifiable or self._plays_sglang or self.plays_llamacpp:
             raise web.HTTPNotFound()
         return web.json_response({"version": "0.32.0+fake"})
+
+    async def _props(self, request: web.Request) -> web.Response:
+        """llama.cpp's `/props` (the others serve none)."""
+        if not self.identifiable or not self.plays_llamacpp:
+            raise web.HTTPNotFound()
+        settings = {"n_ctx": 4096, "params": {"seed": -1}}
+        return web.json_response(
+            {
+                "default_generation_settings": settings,
+                "total_slots": 1,
+                "model_path": "/models/fake.gguf",
+                "build_info": "b11434-fake",
+            }
+        )
 
     async def _model_info(self, request: web.Request) -> web.Response:
         """SGLang's `/model_info` (vLLM serves none)."""
@@ -323,6 +358,13 @@ class FakeEngine:
                 status=400,
             )
         self.generations[generation.request_id] = generation
+        if generation.conversation is not None:
+            # One live stream per conversation: a second POST cuts the first.
+            replaced = self.conversations.get(generation.conversation)
+            if replaced is not None and replaced.state is GenerationState.RUNNING:
+                replaced.stopped_by = "replaced"
+                replaced.end(GenerationState.ABORTED)
+            self.conversations[generation.conversation] = generation
         generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
         await self._notify()
         try:
@@ -331,7 +373,12 @@ class FakeEngine:
             return await self._whole(generation)
         except (asyncio.CancelledError, ConnectionError):
             self.disconnects.append((generation.request_id, time.monotonic()))
-            if self.hears_disconnects and generation.state is GenerationState.RUNNING:
+            # (a llama.cpp conversation stream runs on, detached from its client)
+            if (
+                self.hears_disconnects
+                and generation.conversation is None
+                and generation.state is GenerationState.RUNNING
+            ):
                 generation.stopped_by = "disconnect"
                 generation.end(GenerationState.ABORTED)
             await self._notify()
@@ -342,7 +389,12 @@ class FakeEngine:
     ) -> Generation:
         api = _ROUTES[request.path]
         route: Route | None
-        if self.abort_route is AbortRoute.SGLANG:
+        if self.plays_llamacpp:
+            # It ignores every ID it is given and mints its own.
+            request_id = _alphanumerics()
+            named = request_id
+            route = None
+        elif self.abort_route is AbortRoute.SGLANG:
             route = _SGLANG_ROUTES.get(request.path)
             # X-Override-Rid wins where SGLang takes header overrides (tether's rid in both).
             request_id = str(
@@ -366,8 +418,11 @@ class FakeEngine:
                     or os.urandom(8).hex()
                 )
                 named = request_id
-        if route is None:  # a route the engine's table does not name: keyed as it is
+        if self.plays_llamacpp:
             engine_ids: tuple[str, ...] = (request_id,)
+            response_id = llamacpp.MINTED_ID_PREFIX + request_id
+        elif route is None:  # a route the engine's table does not name: keyed as it is
+            engine_ids = (request_id,)
             response_id = request_id
         else:
             # A batch (a list of prompts) runs as one engine request per prompt.
@@ -385,6 +440,11 @@ class FakeEngine:
             token_interval=float(knobs.get("token_interval", self.token_interval)),
             prefill=float(knobs.get("prefill", 0.0)),
             stall_after=knobs.get("stall_after"),
+            conversation=(
+                request.headers.get(llamacpp.CONVERSATION_HEADER)
+                if self.plays_llamacpp and payload.get("stream")
+                else None
+            ),
         )
 
     async def _generate(self, generation: Generation) -> None:
@@ -426,7 +486,8 @@ class FakeEngine:
                 return response
             await response.write(event)
             sent += 1
-        if generation.api in (Api.CHAT, Api.COMPLETION, Api.GENERATE):
+        cut = self.plays_llamacpp and generation.state is GenerationState.ABORTED
+        if generation.api in (Api.CHAT, Api.COMPLETION, Api.GENERATE) and not cut:
             await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -442,7 +503,7 @@ class FakeEngine:
             token, last = item
             yield self._token_event(generation, token, "length" if last else None, include_usage)
             item = await generation.tokens.get()
-        if generation.state is GenerationState.ABORTED:
+        if generation.state is GenerationState.ABORTED and not self.plays_llamacpp:
             if api in (Api.CHAT, Api.COMPLETION, Api.GENERATE):
                 yield self._token_event(generation, "", "abort", include_usage)
         for event in self._closing(generation, include_usage):
@@ -467,7 +528,11 @@ class FakeEngine:
         api = generation.api
         # Like vLLM 0.32: the finishing chunk carries the system fingerprint, unless the
         # stream reports usage (then its usage event does).
-        fingerprint = {"system_fingerprint": FINGERPRINT} if reason and not include_usage else {}
+        fingerprint: dict[str, Any] = (
+            {"system_fingerprint": FINGERPRINT} if reason and not include_usage else {}
+        )
+        if reason and self.plays_llamacpp and not include_usage:
+            fingerprint["timings"] = self._timings(generation)
         if api is Api.CHAT:
             return self._sse(
                 {**self._chat_chunk(generation, {"content": token}, reason), **fingerprint}
@@ -497,6 +562,8 @@ class FakeEngine:
                 return []
             kind = "chat.completion.chunk" if api is Api.CHAT else "text_completion"
             chunk = {**self._chunk(generation, kind, []), "usage": usage}
+            if self.plays_llamacpp:  # timings move to the usage event
+                chunk["timings"] = self._timings(generation)
             return [self._sse({**chunk, "system_fingerprint": FINGERPRINT})]
         if api is Api.MESSAGES:
             output = {"input_tokens": 3, "output_tokens": generation.produced}
@@ -534,6 +601,12 @@ class FakeEngine:
             "model": "fake",
             "choices": choices,
         }
+
+    @staticmethod
+    def _timings(generation: Generation) -> dict[str, Any]:
+        """llama.cpp's figures: the prompt's tokens from the slot's cache and computed, and
+        those generated."""
+        return {"cache_n": 1, "prompt_n": 2, "predicted_n": generation.produced}
 
     @staticmethod
     def _sse(document: object, event: str | None = None) -> bytes:
@@ -581,6 +654,8 @@ class FakeEngine:
             message = {"role": "assistant", "content": content}
             choice = {"index": 0, "message": message, "finish_reason": reason}
             document = {**self._chunk(generation, "chat.completion", [choice]), "usage": usage}
+        if self.plays_llamacpp:
+            document["timings"] = self._timings(generation)
         return web.Response(body=_compact(document), content_type="application/json")
 
     # --- abort routes -------------------------------------------------------------------
@@ -631,6 +706,33 @@ class FakeEngine:
             generation.aborted_ids.update(ids if ids else generation.engine_ids)
         targets = [g for g in targets if generation_fully_aborted(g)]
         return await self._abort(request, ids, targets, {"status": "aborted", "aborted": len(ids)})
+
+    async def _stop_conversation(self, request: web.Request) -> web.Response:
+        """llama.cpp's `DELETE /v1/stream?conv_id=<id>`: stops the conversation's stream
+        (its body then ends with neither a finish reason nor `[DONE]`); 204 whatever the ID."""
+        if not self.plays_llamacpp:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        conversation = request.query.get("conv_id", "")
+        if not conversation:
+            return web.json_response({"error": "Missing conversation id"}, status=400)
+        failure = await self._injected_failure(request, (conversation,))
+        if failure is not None:
+            return failure
+        generation = self.conversations.pop(conversation, None)
+        self.aborts.append(
+            SeenAbort(
+                request.path,
+                (conversation,),
+                204,
+                time.monotonic(),
+                self.connection_number(request),
+            )
+        )
+        if generation is not None and generation.state is GenerationState.RUNNING:
+            generation.stopped_by = "abort"
+            generation.end(GenerationState.ABORTED)
+        await self._notify()
+        return web.Response(status=204)
 
     async def _abort_sglang(self, request: web.Request) -> web.Response:
         if self.abort_route is not AbortRoute.SGLANG:
@@ -714,6 +816,11 @@ class FakeEngine:
                 generation.stopped_by = "abort"
             generation.end(GenerationState.ABORTED)
         await self._notify()
+
+
+def _alphanumerics(count: int = 32) -> str:
+    """llama.cpp's `random_string`."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=count))
 
 
 def _body_key(route: Route | None) -> BodyField | None:

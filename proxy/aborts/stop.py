@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..observe.tracing import RequestSpan
@@ -70,25 +70,39 @@ def certainly_held(request: StopRequest, answered: float) -> bool:
 
 def stop_request(state: RequestState) -> StopRequest:
     """The stop of `state`'s work at the engine, as of now (its client just left)."""
-    upstream, relay, route = state.upstream, state.relay, state.route
+    upstream, relay = state.upstream, state.relay
     assert upstream is not None and relay is not None
     now = time.monotonic()
     events = relay.tokens.events
     first_body_at = upstream.first_body_at
     return StopRequest(
         state,
-        engine_request_ids=(
-            route.engine_request_ids(
-                state.internal_request_id, state.body.batch, state.body.samples
-            )
-            if route is not None
-            else ()
-        ),
+        engine_request_ids=_engine_request_ids(state),
         since=now,
         # The mean time between the stream's token events so far: one engine step.
         step=(now - first_body_at) / events if first_body_at is not None and events >= 2 else None,
         registered_by=now if first_body_at is not None else upstream.sent_at + _REGISTERED_AFTER,
     )
+
+
+def _engine_request_ids(state: RequestState) -> tuple[str, ...]:
+    """What the engine's abort must name: the session a request carries on an engine with
+    sessions, unless its answer turned out not to be a stream (only a stream outlives its
+    connection: llama.cpp stops any other request when its connection closes); else the
+    route's engine IDs."""
+    route, head = state.route, state.upstream.head if state.upstream is not None else None
+    if state.engine.session_header is not None:
+        session = state.engine_session
+        if session is None or (head is not None and not _is_event_stream(head.headers)):
+            return ()
+        return (session,)
+    if route is None:
+        return ()
+    return route.engine_request_ids(state.internal_request_id, state.body.batch, state.body.samples)
+
+
+def _is_event_stream(headers: Mapping[str, str]) -> bool:
+    return headers.get("Content-Type", "").startswith("text/event-stream")
 
 
 def mark_stopped(request: StopRequest, tokens_after: int | None) -> None:

@@ -153,7 +153,9 @@ class AbortTracker:
             return False
         if not request.engine_request_ids:
             request.upstream.close()
-            self._report.without_call(state, AbortResult.UNKNOWN_ROUTE)
+            if engine.session_header is None:
+                self._report.without_call(state, AbortResult.UNKNOWN_ROUTE)
+            # (else a request outside a session: the dropped connection is its stop by design)
             return False
         if not self._calls.supported(engine, request.engine_request_ids):
             request.upstream.close()  # every abort route answered as missing, recently

@@ -5,8 +5,8 @@ responses carry tokens and usage, what it parses as JSON, how long it keeps a co
 and which settings only it has or only it refuses.
 
 Each route entry states what was verified against the real engine (vLLM 0.32, SGLang
-0.5.23); a route whose engine ID tether cannot name is not guessed at: it is stopped by the
-dropped connection alone and its aborts are counted `unknown_route`.
+0.5.23, llama.cpp b11434); a route whose engine ID tether cannot name is not guessed at: it is
+stopped by the dropped connection alone and its aborts are counted `unknown_route`.
 
 `Engine` below is the registry: a new engine is one module in this package, named by the
 value of its one line there, that subclasses `base.EngineProfile` as `Profile` (and, if it
@@ -84,6 +84,7 @@ class Engine(StrEnum):
     AUTO = "auto"
     VLLM = "vllm"
     SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
     GENERIC = "generic"
     NONE = "none"
 

@@ -43,6 +43,7 @@ class Profile(EngineProfile):
     public_routes = ()
     generation_routes = frozenset()
     probe_routes = frozenset()
+    session_header = None
     sends_aborts = False
     merges_aborts = False
     confirm_rule = UNKNOWN_CONFIRM

@@ -62,10 +62,11 @@ class Settings(Protocol):
     def sglang_rid_header(self) -> bool: ...
 
 
-def _under_any(path: str, routes: tuple[str, ...]) -> bool:
-    """Whether `path` is one of `routes` or lies below one (whole segments; both written as
-    the settings and the route tables write paths: lower case, no trailing slash)."""
-    return any(path == route or path.startswith(route + "/") for route in routes)
+def _blocks_any(path: str, routes: tuple[str, ...]) -> bool:
+    """Whether refusing `path` (a prefix, as `routes.is_blocked` matches) would refuse one of
+    `routes`. A control route below a public one (llama.cpp's `/v1/chat/completions/control`)
+    refuses only itself."""
+    return any(route.startswith(path) for route in routes)
 
 
 def template_fields(template: str) -> set[str]:
@@ -153,6 +154,18 @@ class Route:
     # A body field the client may name its request in that tether reads but leaves alone
     # (the engine reads tether's ID from a header that wins over it).
     reads_client_id: BodyField | None = None
+    # The engine ignores every ID a client or tether gives it and answers with one it mints,
+    # this prefix followed by its own random characters (llama.cpp's `chatcmpl-`): tether
+    # learns it from the answer and writes the client's ID in its place.
+    minted_id_prefix: str | None = None
+    # What a complete stream on this route carries last (`data: [DONE]`): a stream of a
+    # session the engine may hand to another request (llama.cpp's conversation) that ends
+    # without it was cut, not completed. None: not checked.
+    stream_end: bytes | None = None
+    # A non-streaming request here is sent to the engine as a stream and its answer
+    # assembled from the events (`wire.answer_assembly`): an engine that notices a client
+    # that left only when it writes (llama-server) then notices at its next token.
+    assembles_answer: bool = False
     # The body field in which a client names its request to the engine (vLLM's `request_id`,
     # SGLang's `rid`): the engine writes that name into its answer, so tether gives the
     # client its value back. None where the engine's ID is the client's handle for follow-up
@@ -334,6 +347,11 @@ class EngineProfile(ABC):
     probe_routes: ClassVar[frozenset[str]]
     # Whether the engine has an abort call at all, and whether one call names many requests.
     sends_aborts: ClassVar[bool]
+    # The request header naming a session the engine runs on after its client's connection
+    # closed (llama.cpp's X-Conversation-Id on a stream); None: no such sessions. The abort
+    # call names a request carrying it by the header's value; a request without it, on an
+    # engine with sessions, is stopped by the dropped connection alone.
+    session_header: ClassVar[str | None]
     merges_aborts: ClassVar[bool]
     # How long an accepted abort takes to end the response.
     confirm_rule: ClassVar[ConfirmRule]
@@ -366,15 +384,16 @@ class EngineProfile(ABC):
     def __init__(self, settings: Settings, engine: str, default_blocked: tuple[str, ...]) -> None:
         """`engine`: the name this profile goes by (`proxy.engines.Engine`); `default_blocked`:
         the control routes refused unless TETHER_BLOCKED_PATHS says otherwise (every known
-        engine's: `proxy.engines.refused_control_routes`), less the engine's own public
-        routes and those the operator names in TETHER_ALLOWED_PATHS."""
+        engine's: `proxy.engines.refused_control_routes`), less any that would refuse one
+        of the engine's own public routes and those the operator names in
+        TETHER_ALLOWED_PATHS."""
         self.engine = engine
         allowed = settings.allowed_paths
         named = () if allowed is None or allowed == (ALLOW_PUBLIC,) else allowed
         self.blocked_paths = settings.blocked_paths or tuple(
             path
             for path in default_blocked
-            if not _under_any(path, self.public_routes)
+            if not _blocks_any(path, self.public_routes)
             and not any(name.startswith(path) for name in named)
         )
         self.allowed_paths: tuple[str, ...] | None = (

@@ -41,6 +41,7 @@ class Profile(EngineProfile):
     public_routes = ()
     generation_routes = frozenset()
     probe_routes = frozenset()
+    session_header = None
     sends_aborts = True
     # A template names one request.
     merges_aborts = False

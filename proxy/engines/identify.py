@@ -11,7 +11,7 @@ named it.
 |---|---|---|
 | vLLM | `GET /version` `{"version": ...}` and `GET /v1/models` cards `"owned_by": "vllm"` | vllm |
 | SGLang | `GET /model_info` (older: `/get_model_info`): `model_path`, `is_generation` | sglang |
-| llama.cpp server | `GET /props` with `default_generation_settings` and `total_slots` | none |
+| llama.cpp server | `GET /props` with `default_generation_settings` and `total_slots` | llamacpp |
 | TGI | `GET /info` with `"router": "text-generation-router"` | none |
 | Ollama | `GET /api/version` `{"version": ...}` (and no `/version`) | none |
 """
@@ -60,7 +60,7 @@ def identify(answers: Mapping[str, Any]) -> Identity | None:
             return Identity("sglang", "sglang", None, f"GET {path}")
     props = _object(answers.get("/props"))
     if "default_generation_settings" in props and "total_slots" in props:
-        return Identity("llamacpp", "none", _text(props.get("build_info")), "GET /props")
+        return Identity("llamacpp", "llamacpp", _text(props.get("build_info")), "GET /props")
     info = _object(answers.get("/info"))
     if info.get("router") == "text-generation-router":
         return Identity("tgi", "none", _text(info.get("version")), "GET /info")

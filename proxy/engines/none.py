@@ -1,9 +1,9 @@
-"""none: an engine with no abort call tether can make (TGI, llama.cpp's server, Ollama, or one
-nobody described): closing the upstream connection is the only lever, and tether sends no
-abort at all.
+"""none: an engine with no abort call tether can make (TGI, Ollama, or one nobody
+described): closing the upstream connection is the only lever, and tether sends no abort at
+all.
 
 tether knows none of its routes or control routes: every known engine's control routes are
-blocked in front of it, with those of the servers that typically run as `none`.
+blocked in front of it.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ class Profile(EngineProfile):
     routes = ()
     unknown_route_fields = ()
     id_headers = (REQUEST_ID_HEADER,)
-    # llama.cpp's slot save/restore/erase (LMDeploy's abort is SGLang's `/abort_request`,
-    # blocked with SGLang's routes).
-    control_routes = ("/slots",)
+    # None of its own: llama.cpp's are its profile's, LMDeploy's abort is SGLang's
+    # `/abort_request` (every profile refuses them all).
+    control_routes = ()
     control_routes_complete = False
     public_routes = ()
     # TGI's native generation routes.
     generation_routes = frozenset({"/generate", "/generate_stream"})
     probe_routes = frozenset()
+    session_header = None
     sends_aborts = False
     merges_aborts = False
     confirm_rule = UNKNOWN_CONFIRM

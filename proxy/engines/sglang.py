@@ -251,6 +251,7 @@ class Profile(EngineProfile):
     public_routes = PUBLIC_ROUTES
     generation_routes = GENERATION_ROUTES
     probe_routes = PROBE_ROUTES
+    session_header = None
     sends_aborts = True
     # `{"rid": ...}` names one request (a batch's items one call each).
     merges_aborts = False

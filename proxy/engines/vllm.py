@@ -211,6 +211,7 @@ class Profile(EngineProfile):
     public_routes = PUBLIC_ROUTES
     generation_routes = GENERATION_ROUTES
     probe_routes = PROBE_ROUTES
+    session_header = None
     sends_aborts = True
     # One call names many requests: `{"request_ids": [...]}`.
     merges_aborts = True

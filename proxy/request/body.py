@@ -52,6 +52,8 @@ _FALSE = RawJson("false")
 _MEMBERS_READ = ("n", "model", "stream", "stream_options", "background")
 _USAGE_OPTIONS = ("include_usage", "continuous_usage_stats")
 _EXPECT = istr("Expect")
+# Members of a non-streaming request that keep it from being assembled from a stream.
+_NOT_ASSEMBLED = ("tools", "functions", "tool_choice")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,9 @@ class BodyFacts:
     client_id: str | None = None
     # The body's `stream`, where tether read the body (None: not read).
     stream: bool | None = None
+    # A non-streaming request tether sent as a stream (usage asked): its answer is
+    # assembled from the events (`Route.assembles_answer`).
+    assembled: bool = False
 
 
 NOTHING_LEARNT = BodyFacts()
@@ -104,12 +109,15 @@ async def outgoing_body(
     ask_for_usage: bool,
     json_rule: JsonRule,
     keep_client_id: bool = False,
+    assemble: bool = False,
 ) -> OutgoingBody:
     """The body to send upstream for `request` on `route`; `forwarded` are the headers the
     engine will get (its Content-Type, not one a `Connection` token removed), and
     `json_rule` says which bodies it parses as JSON. With
     `ask_for_usage`, a stream on a route that reports usage when asked is asked to; with
-    `keep_client_id`, an ID the client named in the body goes to the engine unchanged."""
+    `keep_client_id`, an ID the client named in the body goes to the engine unchanged; with
+    `assemble` (the route `assembles_answer`), a non-streaming request that asks for nothing
+    tether cannot assemble goes as a stream."""
     if not request.body_exists:
         return OutgoingBody(None)
     fields = route.body_fields if route is not None else ()
@@ -118,7 +126,7 @@ async def outgoing_body(
     # Read whole where tether writes its ID in or reads the client's, or must learn from the
     # body which engine requests it makes (a batch, n > 1) even when the ID goes in a header.
     must_read = route is not None and bool(
-        fields or id_field or route.fan_out or route.samples_unnamed or usage
+        fields or id_field or route.fan_out or route.samples_unnamed or usage or assemble
     )
     if not must_read:
         await _send_continue_if_asked(request)
@@ -143,6 +151,7 @@ async def outgoing_body(
         maybe
         or names_id
         or usage
+        or assemble
         or route.may_run_in_background
         or route.fan_out
         or route.samples_unnamed
@@ -150,7 +159,7 @@ async def outgoing_body(
         return OutgoingBody(body)
     # Only the members tether reads are decoded, each from its own bytes (`json_members`);
     # what it reads may still turn out not to be JSON, so the reading is inside the try.
-    names = [*_MEMBERS_READ, *route.fan_out]
+    names = [*_MEMBERS_READ, *route.fan_out, *(_NOT_ASSEMBLED if assemble else ())]
     for field in maybe:
         names.append(field.name.partition(".")[0])
     if names_id and id_field is not None:
@@ -168,6 +177,10 @@ async def outgoing_body(
         }
         stream = document.scalar("stream")
         usage = usage and stream is True and _ask_for_usage(document, values)
+        assembled = assemble and _assemblable(document)
+        if assembled:
+            values["stream"] = _TRUE
+            _ask_for_usage(document, values)
         facts = BodyFacts(
             background=route.may_run_in_background and document.scalar("background") is True,
             batch=route.batch(document),
@@ -176,6 +189,7 @@ async def outgoing_body(
             model=model if isinstance(model, str) else None,
             client_id=client_id,
             stream=stream if isinstance(stream, bool) else None,
+            assembled=assembled,
         )
         return OutgoingBody(document.with_members(values) if values else body, facts)
     except JsonBodyTooComplex as exc:
@@ -201,6 +215,17 @@ def _ask_for_usage(document: JsonMembers, values: dict[str, Any]) -> bool:
         # the client (straight to the engine) gets none.
         values["stream_options.continuous_usage_stats"] = _FALSE
     return True
+
+
+def _assemblable(document: JsonMembers) -> bool:
+    """A non-streaming request whose answer tether can assemble from a stream faithfully: no
+    tools (a tool call's ID is drawn anew in each run, its message differs), one sample."""
+    n = document.scalar("n")
+    return (
+        document.scalar("stream") is not True
+        and all(document.kind(name) in (None, "null") for name in _NOT_ASSEMBLED)
+        and (n is None or n == 1)
+    )
 
 
 def _check_declared_length(request: web.BaseRequest, limit: int) -> None:

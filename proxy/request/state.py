@@ -68,6 +68,9 @@ class RequestState:
     # The keyed hash of the credential it carried (`wire.callers`), never the credential:
     # only the same caller cancels or lists it. None: it carried none.
     caller: bytes | None = None
+    # The session the client named in the engine's session header (llama.cpp's
+    # X-Conversation-Id): the engine runs it on after the connection closes.
+    engine_session: str | None = None
     body: BodyFacts = NOTHING_LEARNT  # what tether learnt from its body, once sent
     # The client's ID as the engine would have written it into its answer, where that is
     # not `client_request_id` (SGLang answers with a body `rid` over the header's).

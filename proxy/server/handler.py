@@ -90,6 +90,12 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         id_in_header=named is not None,
         websocket=websocket,
         caller=ctx.callers.of(request.headers),
+        # Only a POST starts a session's stream (a replay's GET is not the session).
+        engine_session=(
+            request.headers.get(engine.session_header)
+            if engine.session_header and request.method == "POST"
+            else None
+        ),
     )
     ctx.registry.add(state)
     ctx.accounting.began(state, request.headers)
@@ -207,6 +213,10 @@ async def _send(
         ask_for_usage=ctx.usage.enabled,
         json_rule=engine.json_rule,
         keep_client_id=preserving(state) and not state.id_in_header,
+        # (not a session's request: sent as a stream, it would outlive its connection)
+        assemble=state.route is not None
+        and state.route.assembles_answer
+        and state.engine_session is None,
     )
     state.body = facts = outgoing.facts
     engine_requests = (facts.batch or 1) * facts.samples

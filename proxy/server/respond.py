@@ -17,15 +17,28 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict, istr
 
-from ..errors import ClientGoneError, InvalidRequestIdError, TetherError, error_response
+from ..errors import (
+    ClientGoneError,
+    InvalidRequestIdError,
+    TetherError,
+    UpstreamBrokenError,
+    error_response,
+)
 from ..faults import RESPONSE_HEAD, STREAM_END
 from ..outcomes import Phase
 from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, ClientFrames
 from ..upstream.connection import ResponseHead
 from ..upstream.relay import ResponseRelay
+from ..wire.answer_assembly import AnswerAssembler
 from ..wire.headers import client_response_headers
-from ..wire.ids import IdMapper, InvalidClientRequestId, check_client_request_id, json_escaped
+from ..wire.ids import (
+    IdMapper,
+    InvalidClientRequestId,
+    MintedIdMapper,
+    check_client_request_id,
+    json_escaped,
+)
 from ..wire.tokens import TokenCounter, TokenShape
 from ..wire.usage_events import UsageEventFilter
 from .context import ProxyContext
@@ -36,6 +49,9 @@ _CONTENT_ENCODING = istr("Content-Encoding")
 _CONTENT_TYPE = istr("Content-Type")
 # Response bodies in which the internal ID is replaced by the client's.
 _MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
+# What llama-server's non-streaming answers carry, and what only its streams do.
+_JSON = "application/json; charset=utf-8"
+_STREAM_ONLY_HEADERS = (istr("X-Accel-Buffering"),)
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
@@ -52,6 +68,8 @@ async def relay_response(
     mapper = _id_mapper(head, state)
     tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
     sse = _is_sse(head)
+    if state.body.assembled and head.status == 200 and sse:
+        return await _relay_assembled(request, head, state, ctx, tokens, mapper)
     usage = (
         UsageEventFilter(restore_fingerprint=state.engine.usage_takes_fingerprint)
         if state.body.usage_asked and sse
@@ -75,6 +93,9 @@ def _id_mapper(head: ResponseHead, state: RequestState) -> IdMapper | None:
     if media_type not in _MAPPED_TYPES and not media_type.endswith("+json"):
         return None
     echo_id = state.echo_id or state.client_request_id
+    if state.route is not None and state.route.minted_id_prefix is not None:
+        # The engine ignored every ID and minted its own: the client's goes in its place.
+        return MintedIdMapper(state.route.minted_id_prefix, json_escaped(echo_id))
     if state.internal_request_id == echo_id:
         return None  # preserve mode: the engine already used the client's ID
     return IdMapper(state.internal_request_id, json_escaped(echo_id))
@@ -101,6 +122,46 @@ async def _relay_whole(
     # Written here rather than by aiohttp once the handler returns: the client has its answer
     # before the request is reported (its log line, metrics and span cost a request's
     # latency otherwise), and "completed" means it was written.
+    await _to_client(response.prepare(request))
+    await _to_client(response.write_eof())
+    return response
+
+
+async def _relay_assembled(
+    request: web.BaseRequest,
+    head: ResponseHead,
+    state: RequestState,
+    ctx: ProxyContext,
+    tokens: TokenCounter,
+    mapper: IdMapper | None,
+) -> web.StreamResponse:
+    """A non-streaming request tether sent as a stream: the events are read as they come
+    (the engine writes each token, so it notices at once if tether lets go) and the client
+    gets the answer they make, as the engine would have answered it."""
+    assert state.upstream is not None
+    assembler = AnswerAssembler()
+    state.relay = ResponseRelay(state.upstream, tokens, None, assembler=assembler)
+    state.relay.to_buffer()
+    state.upstream.attach(state.relay)
+    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    assembled = assembler.answer()
+    if assembled is None:
+        raise UpstreamBrokenError(
+            "the engine's stream did not make a whole answer"
+            + (f" ({assembler.unfaithful})" if assembler.unfaithful else "")
+        )
+    status, body = assembled
+    if mapper is not None:
+        body = mapper.feed(body) + mapper.flush()
+    state.relay.bytes_out = len(body)
+    headers = _client_headers(head, state, ctx, rewritten=True)
+    for name in _STREAM_ONLY_HEADERS:
+        headers.popall(name, None)
+    headers[_CONTENT_TYPE] = _JSON
+    response = web.Response(status=status, headers=headers, body=body)
+    if ctx.readiness.draining:
+        response.force_close()
+    state.client_response = response
     await _to_client(response.prepare(request))
     await _to_client(response.write_eof())
     return response
@@ -134,10 +195,26 @@ async def _relay_stream(
     if ctx.faults is not None:
         ctx.faults.at(STREAM_END)
     state.relay.finish()
+    _refuse_cut_session(state, sse=sse)
     if state.relay.engine_reports_usage:
         ctx.usage.engine_reports_usage()
     await _to_client(response.write_eof())
     return response
+
+
+def _refuse_cut_session(state: RequestState, *, sse: bool) -> None:
+    """A session's stream (llama.cpp's conversation) that ended without its last event was
+    cut, by a second request naming the same session: the client's stream is cut too, so
+    that it can never pass for a complete one (straight, its body ends cleanly)."""
+    route, relay = state.route, state.relay
+    if state.engine_session is None or not sse or route is None or route.stream_end is None:
+        return
+    assert relay is not None
+    if not relay.tokens.ended_with(route.stream_end):
+        raise UpstreamBrokenError(
+            "the engine ended the stream without its last event: another request with the "
+            f"same {state.engine.session_header} took the session over"
+        )
 
 
 async def _relay_websocket(

@@ -14,6 +14,7 @@ from enum import Enum
 from aiohttp.abc import AbstractStreamWriter
 from mypy_extensions import mypyc_attr
 
+from ..wire.answer_assembly import AnswerAssembler
 from ..wire.ids import IdMapper
 from ..wire.tokens import TokenCounter
 from ..wire.usage_events import UsageEventFilter
@@ -42,6 +43,7 @@ class ResponseRelay:
     """The sink of one exchange's response body."""
 
     __slots__ = (
+        "_assembler",
         "_buffer",
         "_chunked",
         "_exchange",
@@ -67,8 +69,11 @@ class ResponseRelay:
         tokens: TokenCounter,
         mapper: IdMapper | None,
         usage: UsageEventFilter | None = None,
+        assembler: AnswerAssembler | None = None,
     ) -> None:
         self._exchange = exchange
+        # BUFFER mode reads a stream into the non-streaming answer it makes, not into bytes.
+        self._assembler = assembler
         self._mapper = mapper
         # Takes out the usage event tether asked for (counted above, never relayed).
         self._usage = usage
@@ -152,7 +157,10 @@ class ResponseRelay:
         self.tokens.feed(chunk)
         mode = self._mode
         if mode is _Mode.BUFFER:
-            self._buffer.append(chunk)
+            if self._assembler is not None:
+                self._assembler.feed(chunk)
+            else:
+                self._buffer.append(chunk)
             return
         if mode is not _Mode.CLIENT and mode is not _Mode.ENDING:
             return

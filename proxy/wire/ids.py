@@ -127,3 +127,55 @@ def _partial_match_at_end(data: bytes, needle: bytes, start: int) -> int:
             return len(data) - index
         index = data.find(first, index + 1)
     return 0
+
+
+class MintedIdMapper(IdMapper):
+    """Replaces an ID the engine minted itself (llama.cpp's `chatcmpl-<32 random
+    alphanumerics>`, the same in every event of a response) with the client's, chunk by
+    chunk: the engine's ID is learnt from the first `"id":"<prefix>` of the response, and
+    the bytes up to its end are held until then (a stream's first event carries it).
+
+    Inside a JSON string every quote is escaped, so `"id":"` followed by the prefix only
+    appears as a member's name and value. A response with no such ID in its first event, or
+    in its first 64 KiB (an error, another format), passes as it came."""
+
+    __slots__ = ("_learning", "_marker", "_seen")
+
+    _MAX_SEEN = 64 * 1024
+
+    def __init__(self, prefix: str, replacement: bytes) -> None:
+        # The prefix stands in as the needle until the engine's ID is known.
+        super().__init__(prefix, replacement)
+        self._marker = b'"id":"' + prefix.encode()
+        self._learning = True
+        self._seen = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._learning:
+            return super().feed(chunk) if self._needle else chunk
+        data = self._seen + chunk if self._seen else chunk
+        at = data.find(self._marker)
+        end = data.find(b'"', at + len(self._marker)) if at >= 0 else -1
+        if end >= 0:
+            self._learn(data[at + len(self._marker) : end])
+        elif (at < 0 and b"\n\n" in data) or len(data) > self._MAX_SEEN:
+            # A whole event without it (a stream's first carries it), or too much: none.
+            self._learning = False
+            self._needle = b""
+        else:
+            self._seen = data
+            return b""
+        self._seen = b""
+        return super().feed(data) if self._needle else data
+
+    def flush(self) -> bytes:
+        if self._learning:
+            held, self._seen = self._seen, b""
+            return held
+        return super().flush() if self._needle else b""
+
+    def _learn(self, minted: bytes) -> None:
+        """The engine's own characters after the prefix: replaced by the client's ID."""
+        self._learning = False
+        self._needle = minted
+        self._needle_bytes = frozenset(minted) if minted else _HEX_BYTES

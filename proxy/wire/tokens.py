@@ -1,7 +1,8 @@
 """Pure token accounting on response bytes: how many tokens a response carried. No I/O.
 
 Engines say how many tokens they generated only in `usage` (OpenAI, Anthropic and Responses
-APIs) or SGLang's `meta_info`, and in a stream only where the client asked for it. Where they
+APIs), SGLang's `meta_info` or llama.cpp's `timings`, and in a stream (but llama.cpp's) only
+where the client asked for it. Where they
 say it, that number is used. Otherwise a stream is counted by its token-carrying events: with
 vLLM's and SGLang's default stream settings each such event carries one token while the engine's
 HTTP handler keeps up (byte-level tokens can make its text empty, which is why events are
@@ -24,6 +25,12 @@ from ..engines.token_shapes import TokenShape as TokenShape
 # `completion_tokens_details` and escaped quotes inside generated text from matching.
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _OUTPUT_TOKENS = b'"output_tokens":'
+# llama.cpp's `timings`, on the last event of every stream (usage asked or not) and in every
+# answer: `predicted_n` tokens generated; the prompt's are `cache_n` (served from the
+# slot's cache) plus `prompt_n` (computed).
+_PREDICTED = b'"predicted_n":'
+_PROMPT_CACHED = b'"cache_n":'
+_PROMPT_COMPUTED = b'"prompt_n":'
 # The prompt's: `usage.prompt_tokens` (OpenAI, SGLang's meta_info), `input_tokens`
 # (Anthropic's message_start, at a stream's start; Responses).
 _PROMPT_TOKENS = (b'"prompt_tokens":', b'"input_tokens":')
@@ -63,15 +70,24 @@ class TokenCounter:
 
     def reported(self) -> int | None:
         """The engine's own token count from the last bytes seen, if it reported one."""
-        return _last_number(self._tail(), (_COMPLETION_TOKENS, _OUTPUT_TOKENS))
+        return _last_number(self._tail(), (_COMPLETION_TOKENS, _OUTPUT_TOKENS, _PREDICTED))
 
     def reported_prompt(self) -> int | None:
         """The prompt's tokens, as the engine reported them (at the end, or in a stream's
         opening event), if it did."""
-        found = _last_number(self._tail(), _PROMPT_TOKENS)
+        tail = self._tail()
+        found = _last_number(tail, _PROMPT_TOKENS)
         if found is None and self._first is not None:
             found = _last_number(self._first, _PROMPT_TOKENS)
+        if found is None:
+            computed = _last_number(tail, (_PROMPT_COMPUTED,))
+            if computed is not None:
+                found = computed + (_last_number(tail, (_PROMPT_CACHED,)) or 0)
         return found
+
+    def ended_with(self, marker: bytes) -> bool:
+        """Whether the response's last bytes hold `marker` (a complete stream's last event)."""
+        return marker in self._tail()
 
     def finish_reasons(self) -> tuple[str, ...]:
         """The finish reasons the response's last bytes name (`finish_reason`, Anthropic's

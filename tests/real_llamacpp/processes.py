@@ -1,5 +1,5 @@
 """Starting and stopping the real llama-server the suite drives, in its configurations; tether
-in front of it (`TETHER_ENGINE=none`, as config/llamacpp.env runs it) and the process
+in front of it (`TETHER_ENGINE=llamacpp`, as config/llamacpp.env runs it) and the process
 plumbing (spawn, readiness, core pinning) come from `tests.support`, shared with the other
 real-engine suites."""
 
@@ -143,10 +143,11 @@ def start_llamacpp(
 
 
 def start_tether(llamacpp: LlamacppServer, log_path: pathlib.Path) -> Tether:
-    """tether in front of `llamacpp` as config/llamacpp.env runs it: `TETHER_ENGINE=none`
-    (close the connection: llama-server has no abort call), readiness from `/health`."""
+    """tether in front of `llamacpp` as config/llamacpp.env runs it:
+    `TETHER_ENGINE=llamacpp` (close the connection, or stop a conversation stream with its
+    DELETE), readiness from `/health`."""
     return start_any_tether(
-        llamacpp.url, log_path, "none", {"TETHER_UPSTREAM_HEALTH_PATH": "/health"}
+        llamacpp.url, log_path, "llamacpp", {"TETHER_UPSTREAM_HEALTH_PATH": "/health"}
     )
 
 

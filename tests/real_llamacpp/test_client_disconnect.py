@@ -1,7 +1,9 @@
 """A client that leaves in the phases where llama-server notices by itself: through tether
-(`TETHER_ENGINE=none`: tether closes its connection to llama-server at once) llama-server
+(`TETHER_ENGINE=llamacpp`: tether closes its connection to llama-server at once) llama-server
 lets the request go as soon as it would for the same raw client talking to it directly,
-which is measured beside it. The phases it does not notice are in test_known_gaps.py."""
+which is measured beside it. A conversation stream (`X-Conversation-Id`), which
+llama-server never stops for a client that left, tether stops with its
+`DELETE /v1/stream?conv_id=`. The phases neither notices are in test_known_gaps.py."""
 
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ from dataclasses import dataclass
 import pytest
 
 from ..support.real_engine.measurements import Measurements
-from .measurements import ALONE, VIA_TETHER
+from .measurements import ALONE, NOT_STOPPED, VIA_TETHER
 from .processes import ONE_SLOT, TWO_SLOTS, Stack
 from .scenarios import (
     CANCELLED,
     NOTICED_WITHIN,
     PREFILL_STOP_WITHIN,
     Stop,
+    leave_conversation,
     leave_generating,
     leave_prefill,
     leave_queued_behind_answer,
@@ -83,3 +86,39 @@ def test_client_leaving_stops_llamacpp_as_soon_as_alone(
         assert {stop.ending for stop in found} == {CANCELLED}, (way, found)
         assert max(stop.seconds for stop in found) < phase.within, (way, found)
         assert {stop.ran for stop in found} == {phase.runs}, (way, found)
+
+
+# Conversation phases: (name, whether the client leaves during prefill, seconds from the
+# close until the stream is released through tether: the DELETE goes out as the close is
+# seen and llama-server acts on it within tens of milliseconds, during prefill once the
+# batch in progress is done, a plain prefill's bound).
+CONVERSATION_PHASES = (
+    ("streaming with X-Conversation-Id", False, 0.3),
+    ("X-Conversation-Id during prefill", True, PREFILL_STOP_WITHIN),
+)
+
+
+@pytest.mark.parametrize("stack", [TWO_SLOTS.name], indirect=True)
+@pytest.mark.parametrize(
+    ("phase", "prefill", "within"),
+    CONVERSATION_PHASES,
+    ids=[name for name, _, _ in CONVERSATION_PHASES],
+)
+def test_conversation_stream_whose_client_left_is_stopped_by_tether(
+    stack: Stack, phase: str, prefill: bool, within: float, measurements: Measurements
+) -> None:
+    """A streaming client with an `X-Conversation-Id` that leaves (mid-answer or during its
+    prefill) has its stream stopped within the phase's bound through tether, every run;
+    straight, llama-server runs it on into its replay buffer (the scenario then stops it
+    with the DELETE itself)."""
+    rng = random.Random(f"{SEED}-{phase}")
+    stops: dict[str, list[Stop]] = {ALONE: [], VIA_TETHER: []}
+    for run in range(3):
+        for way in (VIA_TETHER, ALONE):
+            stop = leave_conversation(stack, way, f"conversation-{run}", rng, prefill=prefill)
+            stops[way].append(stop)
+            record_stop(measurements, phase, way, stop)
+    via = stops[VIA_TETHER]
+    assert {stop.ending for stop in via} == {CANCELLED}, via
+    assert max(stop.seconds for stop in via) < within, via
+    assert {stop.ending for stop in stops[ALONE]} == {NOT_STOPPED}, stops[ALONE]

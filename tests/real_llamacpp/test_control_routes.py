@@ -1,6 +1,6 @@
 """llama-server's routes that change the server for every client (shared/ENGINES.md §14.1,
-README "Routes"): tether refuses `/slots` (which also shows every slot's prompt and answer);
-the others still pass (a known gap each)."""
+README "Routes"): tether refuses them all (`/slots`, which also shows every slot's prompt and
+answer, among them)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import json
 import pytest
 
 from ..support.blocking_http import http_get, http_post_json
-from .gaps import gap, known_gap
 from .processes import Stack
 from .scenarios import on_two_slots
 
@@ -56,8 +55,7 @@ CONTROL_ROUTES = {
 
 @on_two_slots
 @pytest.mark.parametrize("path", list(CONTROL_ROUTES))
-@known_gap("llama-server's control routes other than /slots pass through tether")
 def test_control_route_is_refused_through_tether(stack: Stack, path: str) -> None:
     """A POST to a route that changes llama-server for every client is refused by tether."""
     status, _, body = http_post_json(stack.tether.url + path, CONTROL_ROUTES[path])
-    gap(_refused_by_tether(status, body), f"passed: {status} {body[:200]!r}")
+    assert _refused_by_tether(status, body), f"passed: {status} {body[:200]!r}"

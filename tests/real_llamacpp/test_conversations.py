@@ -2,26 +2,29 @@
 with that header running into a replay buffer after its client left, replays it from any
 offset (`GET /v1/stream?conv_id=<id>&from=N`) and stops it on `DELETE /v1/stream?conv_id=<id>`.
 Through tether the header passes unchanged and those routes work for the client that owns
-the conversation; a stream cut off by a second POST of the same conversation is not yet
-reported as cut (a known gap). Stopping a stream whose client left is in test_known_gaps.py."""
+the conversation; a stream cut off by a second POST of the same conversation is reported as
+cut, and cut for its client too. Stopping a stream whose client left is in
+test_client_disconnect.py."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
 
-from .gaps import gap, known_gap
 from .processes import Stack
 from .scenarios import LONG, chat, direct, on_two_slots, via_tether
 
 TOKENS = 30
 
 
-def _replay(url: str, conversation_id: str, offset: int = 0) -> list[str]:
+def _replay(
+    url: str, conversation_id: str, offset: int = 0, headers: dict[str, str] | None = None
+) -> list[str]:
     """`GET /v1/stream?conv_id=<id>&from=<offset>` read to its end: the events' data."""
-    with urllib.request.urlopen(
-        f"{url}/v1/stream?conv_id={conversation_id}&from={offset}", timeout=30
-    ) as response:
+    request = urllib.request.Request(
+        f"{url}/v1/stream?conv_id={conversation_id}&from={offset}", headers=headers or {}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
         assert response.status == 200
         text = response.read().decode()
     return [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
@@ -36,13 +39,14 @@ def _delete(url: str, conversation_id: str) -> int:
 @on_two_slots
 def test_finished_conversation_replays_through_tether(stack: Stack) -> None:
     """A conversation stream read to its end through tether replays, through tether, as the
-    same events from offset 0, and a later offset gives the rest of them."""
+    same events from offset 0 (under the same client ID: tether writes it in place of the
+    one llama-server minted, live and replayed)."""
     headers = {"X-Conversation-Id": "replay-me"}
     with via_tether(stack, "replay", chat(TOKENS, stream=True), headers) as exchange:
         assert exchange.read_head() == 200
         events = list(exchange.events())
     assert events[-1] == "[DONE]"
-    replayed = _replay(stack.tether.url, "replay-me")
+    replayed = _replay(stack.tether.url, "replay-me", headers={"X-Request-Id": "replay"})
     assert replayed == events
     assert _delete(stack.tether.url, "replay-me") == 204
 
@@ -64,10 +68,10 @@ def test_second_post_of_a_conversation_cuts_the_first(stack: Stack) -> None:
 
 
 @on_two_slots
-@known_gap("a conversation stream cut off by a second POST is logged as completed")
 def test_cut_conversation_is_not_reported_completed(stack: Stack) -> None:
     """Through tether, a stream cut off by a second POST of its conversation is reported as
-    cut (its `request_finished` outcome is not `completed`)."""
+    cut (`upstream_failed`, never `completed`), and its client's body is cut too (no last
+    chunk), where straight it ends cleanly."""
     headers = {"X-Conversation-Id": "cut-via-tether"}
     mark = stack.tether.log.mark()
     with via_tether(stack, "cut-first", chat(LONG, stream=True), headers) as first:
@@ -78,5 +82,6 @@ def test_cut_conversation_is_not_reported_completed(stack: Stack) -> None:
             rest = list(first.events())
             assert list(second.events())[-1] == "[DONE]"
     assert "[DONE]" not in rest
+    assert not first.terminated
     line = stack.tether.log.wait_json(mark, "request_finished", client_request_id="cut-first")
-    gap(line["outcome"] != "completed", f"outcome {line['outcome']}")
+    assert line["outcome"] == "upstream_failed", line

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..support.blocking_http import http_get
 from .processes import Stack
-from .scenarios import chat, direct, on_two_slots
+from .scenarios import chat, direct, on_two_slots, via_tether
 
 # A seeded request whose answer is the same every time: no prompt cache (a prompt partly
 # served from a slot's cache is computed in other batches, and its first logprob differs in
@@ -81,3 +81,23 @@ def test_answer_is_its_stream_assembled(stack: Stack) -> None:
     assert answer["usage"]["completion_tokens"] == TOKENS
     assert set(answer["timings"]) == set(chunks[-1]["timings"])
     assert {chunk["id"] for chunk in chunks} != {answer["id"]}  # each its own random ID
+
+
+@on_two_slots
+def test_tethers_answer_is_llamacpps_own(stack: Stack) -> None:
+    """Through tether a non-streaming request goes upstream as a stream, and the answer
+    assembled from it equals llama-server's own for the same seeded request in every member
+    but the ones each response draws or times anew (`id`, `created`, `timings`' values):
+    the same members in the same order, message, logprobs, finish reason, usage."""
+    straight = _answer(stack)
+    with via_tether(stack, "assembled", chat(TOKENS, stream=False, **SEEDED)) as exchange:
+        assert exchange.read_head() == 200
+        assert exchange.headers["content-type"] == "application/json; charset=utf-8"
+        assembled: dict[str, Any] = json.loads(exchange.body())
+    assert list(assembled) == list(straight)
+    assert assembled["id"] == "chatcmpl-assembled"
+    assert set(assembled["timings"]) == set(straight["timings"])
+    for answer in (assembled, straight):
+        for drawn in ("id", "created", "timings"):
+            answer.pop(drawn)
+    assert assembled == straight
