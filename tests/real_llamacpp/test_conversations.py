@@ -82,6 +82,6 @@ def test_cut_conversation_is_not_reported_completed(stack: Stack) -> None:
             rest = list(first.events())
             assert list(second.events())[-1] == "[DONE]"
     assert "[DONE]" not in rest
-    assert not first.terminated
+    assert not first.complete
     line = stack.tether.log.wait_json(mark, "request_finished", client_request_id="cut-first")
     assert line["outcome"] == "upstream_failed", line

@@ -46,7 +46,10 @@ def test_a_stream_cancelled_by_its_id_stops_in_vllm_and_ends_cleanly(stack: Stac
         status, _, body = http_post_json(
             stack.tether.url + "/v1/requests/cx-1/cancel", None, headers=ALICE
         )
-        rest = list(exchange.events())  # to the last chunk: raises on a cut stream
+        rest = list(exchange.events())
+        unended = exchange.body()  # bytes after the last whole event
+    assert exchange.complete, "the stream was cut: its chunked body never ended"
+    assert unended == b"", f"the stream ended inside an event: {unended[-200:]!r}"
     elapsed = wait_vllm_idle(stack)
     answer = json.loads(body)
     assert status == 200 and answer["cancelled"] == 1 and answer["engine"] == "confirmed", answer

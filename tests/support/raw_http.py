@@ -265,8 +265,8 @@ class RawExchange:
         self._body = bytearray()
         self._chunked = False
         self._eof = False
-        # The chunked body's last chunk arrived: the body ended cleanly, not cut off.
-        self.terminated = False
+        # The chunked body's last chunk arrived: the response ended, not just its connection.
+        self.complete = False
         self.status: int | None = None
         self.headers: dict[str, str] = {}
         self.closed_at: float | None = None
@@ -308,7 +308,7 @@ class RawExchange:
                 size_line, rest = self._buffer.split(b"\r\n", 1)
                 size = int(size_line.split(b";")[0], 16)
                 if size == 0:
-                    self._eof = self.terminated = True
+                    self._eof = self.complete = True
                     return False
                 if len(rest) >= size + 2:
                     self._body += rest[:size]
