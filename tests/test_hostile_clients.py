@@ -1058,8 +1058,9 @@ async def test_a_body_built_to_cost_costs_tether_a_few_times_its_size(
     # decoding it whole took 27 times its size (870 MiB for 31 MiB of `{}`).
     assert grown < 3 * len(body) + 16 * MIB, f"{grown / MIB:.0f} MiB"
     # Decoding 31 MiB of tiny arrays whole held the loop for 6 to 8 s; scanning them takes
-    # tens of milliseconds compiled, about a second in pure Python on a loaded machine.
-    assert longest_wait < 3.0
+    # tens of milliseconds compiled, about a second in pure Python on a loaded machine, and
+    # up to 3.2 s with CI's two suites and a compile beside it on two cores.
+    assert longest_wait < 5.0
     assert answered == status
 
 
