@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -525,6 +527,12 @@ async def _spread_streams(process: Any, prefix: str, headers: dict[str, str]) ->
     }
 
 
+async def _cancel_all(process: Any, streams: dict[str, Any]) -> list[tuple[int, Any]]:
+    """Alice's cancel of each stream, all through one connection (so on one worker)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as one_connection:
+        return [await _cancel(one_connection, process, name, ALICE) for name in streams]
+
+
 async def _holders(process: Any, count: int) -> set[int]:
     """The workers that cancelled requests they held, once `count` of them said so."""
 
@@ -544,8 +552,7 @@ async def test_without_an_admin_token_a_cancel_reaches_the_worker_that_holds_the
     process = await tether_process(engine_url, **WORKERS_WITHOUT_TOKEN)
     streams = await _spread_streams(process, "w", ALICE)
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as one_connection:
-        answers = [await _cancel(one_connection, process, name, ALICE) for name in streams]
+    answers = await _cancel_all(process, streams)
 
     assert [(status, body.get("cancelled")) for status, body in answers] == [(200, 1)] * SPREAD
     for client in streams.values():
@@ -553,6 +560,28 @@ async def test_without_an_admin_token_a_cancel_reaches_the_worker_that_holds_the
     await engine.wait_for(lambda: len(engine.aborted_ids()) == SPREAD)
     # Both workers held some: one connection reached the other worker's.
     assert await _holders(process, SPREAD) == {0, 1}
+
+
+async def test_a_cancel_reaches_a_worker_that_restarted(
+    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory
+) -> None:
+    """TETHER_WORKERS=2, no admin token: once a killed worker is restarted, cancels through
+    one connection reach the streams it holds again."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(engine_url, **WORKERS_WITHOUT_TOKEN)
+    # The workers have asked each other before the restart.
+    await _cancel_all(process, await _spread_streams(process, "before", ALICE))
+    victim = await process.wait_event("worker_started", worker=1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    await process.wait_event("worker_restarted", index=1)
+
+    streams = await _spread_streams(process, "after", ALICE)
+    answers = await _cancel_all(process, streams)
+
+    assert [(status, body.get("cancelled")) for status, body in answers] == [(200, 1)] * SPREAD
+    for client in streams.values():
+        await client.read_until(b"0\r\n\r\n")
+    await engine.wait_for(lambda: len(engine.aborted_ids()) == 2 * SPREAD)
 
 
 async def test_without_an_admin_token_a_batch_cancel_reaches_every_worker(
