@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -505,3 +507,154 @@ async def test_a_stream_cancelled_inside_an_event_ends_after_that_event(
     assert (status, answer["cancelled"]) == (200, 1)
     events = _events_of(raw)
     assert [json.loads(event[len("data: ") :])["n"] for event in events] == [1, 2]
+
+
+# --- several workers, no admin token ---------------------------------------------------------
+
+# Two workers with the defaults an operator starts with: no admin token, the admin port the
+# kernel picks.
+WORKERS_WITHOUT_TOKEN = {"TETHER_WORKERS": "2", "TETHER_ADMIN_PORT": "0"}
+# Streams on connections of their own: the kernel spreads connections over the workers, so
+# all of them land on the canceller's worker once in 2**16 runs.
+SPREAD = 16
+
+
+async def _spread_streams(process: Any, prefix: str, headers: dict[str, str]) -> dict[str, Any]:
+    """SPREAD long streams, each on a connection of its own, by name."""
+    return {
+        f"{prefix}-{index}": await _stream(process, f"{prefix}-{index}", headers)
+        for index in range(SPREAD)
+    }
+
+
+async def _cancel_all(process: Any, streams: dict[str, Any]) -> list[tuple[int, Any]]:
+    """Alice's cancel of each stream, all through one connection (so on one worker)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as one_connection:
+        return [await _cancel(one_connection, process, name, ALICE) for name in streams]
+
+
+async def _holders(process: Any, count: int) -> set[int]:
+    """The workers that cancelled requests they held, once `count` of them said so."""
+
+    def held() -> set[int] | None:
+        lines = [e for e in process.events("request_cancelled") if "client_request_id" in e]
+        return {line["worker"] for line in lines} if len(lines) >= count else None
+
+    return await poll_until(held, 10.0, what=f"{count} request_cancelled lines")
+
+
+async def test_without_an_admin_token_a_cancel_reaches_the_worker_that_holds_the_request(
+    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory
+) -> None:
+    """TETHER_WORKERS=2, no admin token, admin port 0: streams spread over both workers are
+    all cancelled through one connection, and each stops at the engine."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(engine_url, **WORKERS_WITHOUT_TOKEN)
+    streams = await _spread_streams(process, "w", ALICE)
+
+    answers = await _cancel_all(process, streams)
+
+    assert [(status, body.get("cancelled")) for status, body in answers] == [(200, 1)] * SPREAD
+    for client in streams.values():
+        await client.read_until(b"0\r\n\r\n")
+    await engine.wait_for(lambda: len(engine.aborted_ids()) == SPREAD)
+    # Both workers held some: one connection reached the other worker's.
+    assert await _holders(process, SPREAD) == {0, 1}
+
+
+async def test_a_cancel_reaches_a_worker_that_restarted(
+    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory
+) -> None:
+    """TETHER_WORKERS=2, no admin token: once a killed worker is restarted, cancels through
+    one connection reach the streams it holds again."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(engine_url, **WORKERS_WITHOUT_TOKEN)
+    # The workers have asked each other before the restart.
+    await _cancel_all(process, await _spread_streams(process, "before", ALICE))
+    victim = await process.wait_event("worker_started", worker=1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    await process.wait_event("worker_restarted", index=1)
+
+    streams = await _spread_streams(process, "after", ALICE)
+    answers = await _cancel_all(process, streams)
+
+    assert [(status, body.get("cancelled")) for status, body in answers] == [(200, 1)] * SPREAD
+    for client in streams.values():
+        await client.read_until(b"0\r\n\r\n")
+    await engine.wait_for(lambda: len(engine.aborted_ids()) == 2 * SPREAD)
+
+
+async def test_without_an_admin_token_a_batch_cancel_reaches_every_worker(
+    fake_engine: FakeEngineFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    """TETHER_WORKERS=2, no admin token: one POST /v1/requests/cancel stops the caller's
+    streams on both workers, and says so for each."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(engine_url, **WORKERS_WITHOUT_TOKEN)
+    streams = await _spread_streams(process, "b", ALICE)
+
+    async with http.post(
+        process.url("/v1/requests/cancel"), json={"request_ids": [*streams]}, headers=ALICE
+    ) as response:
+        answer = await response.json()
+
+    assert [(item["id"], item["cancelled"]) for item in answer["data"]] == [
+        (name, 1) for name in streams
+    ]
+    for client in streams.values():
+        await client.read_until(b"0\r\n\r\n")
+    await engine.wait_for(lambda: len(engine.aborted_ids()) == SPREAD)
+    assert await _holders(process, SPREAD) == {0, 1}
+
+
+async def test_without_an_admin_token_the_callers_requests_are_listed_from_every_worker(
+    fake_engine: FakeEngineFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    """TETHER_WORKERS=2, no admin token: GET /v1/requests lists the caller's streams on both
+    workers, and only the caller's."""
+    _, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(engine_url, **WORKERS_WITHOUT_TOKEN)
+    alices = await _spread_streams(process, "alice", ALICE)
+    bobs = await _spread_streams(process, "bob", BOB)
+
+    listed = {}
+    for who, headers in (("alice", ALICE), ("bob", BOB)):
+        async with http.get(process.url("/v1/requests"), headers=headers) as response:
+            listed[who] = sorted(entry["id"] for entry in (await response.json())["data"])
+
+    assert listed == {"alice": sorted(alices), "bob": sorted(bobs)}
+    for client in [*alices.values(), *bobs.values()]:
+        client.close_fin()
+
+
+async def test_without_an_admin_token_another_credential_cancels_nothing_on_any_worker(
+    fake_engine: FakeEngineFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    """TETHER_WORKERS=2, no admin token: another caller's cancels, one by one or in a batch,
+    get 404 (or nothing cancelled) whichever worker holds the request, and it runs on."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(engine_url, **WORKERS_WITHOUT_TOKEN)
+    streams = await _spread_streams(process, "x", ALICE)
+
+    # A connection per cancel: failed cancels on one connection are bounded.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+        answers = [await _cancel(fresh, process, name, BOB) for name in streams]
+        async with fresh.post(
+            process.url("/v1/requests/cancel"), json={"request_ids": [*streams]}, headers=BOB
+        ) as response:
+            batch = await response.json()
+    async with http.get(process.url("/v1/requests"), headers=ALICE) as response:
+        still = sorted(entry["id"] for entry in (await response.json())["data"])
+
+    assert [status for status, _ in answers] == [404] * SPREAD
+    assert [item["cancelled"] for item in batch["data"]] == [0] * SPREAD
+    assert still == sorted(streams)
+    assert engine.aborted_ids() == set()
+    for client in streams.values():
+        client.close_fin()

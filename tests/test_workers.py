@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.observe.metrics import Metrics
+from proxy.server.siblings import private_directory_problem
 from proxy.workers import runtime as supervisor_runtime
 from proxy.workers.cpus import cgroup_quota_cpus, usable_cpus
 from tether_fake_engine import GenerationState
@@ -555,3 +556,23 @@ def test_only_this_users_unlocked_directories_are_removed(short_tmpdir: Path) ->
     assert not stale.exists()
     assert live.exists() and unlocked_yet.exists() and unrelated.exists()
     assert others is None or others.exists()
+
+
+def test_workers_answer_each_other_only_from_a_directory_private_to_this_user(
+    tmp_path: Path,
+) -> None:
+    """The runtime directory authorises the workers' token-less calls to each other: one that
+    other users can reach is refused (the worker does not start), naming its mode."""
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    with supervisor_runtime.runtime_directory() as made:
+        assert private_directory_problem(made) is None  # what the supervisor makes
+
+    assert private_directory_problem(str(private)) is None
+    assert private_directory_problem(str(shared)) == (
+        f"{shared} is reachable by other users (mode 755)"
+    )

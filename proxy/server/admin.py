@@ -4,10 +4,14 @@ Never served on the client port. The probes and `/metrics` are open (they name n
 everything that names or acts on requests needs `Authorization: Bearer $TETHER_ADMIN_TOKEN`:
 internal IDs are the engine's handles (a Responses API `resp_<id>` fetches or cancels a
 response), so listing them is as sensitive as aborting.
+
+A worker's admin app, served on its private Unix socket only, also answers the other workers'
+cancels and lists for one caller (`/siblings/…`, no token: `siblings` says why).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +30,8 @@ from ..errors import (
 )
 from ..outcomes import Outcome
 from ..settings import Settings
-from .cancel import CANCEL_ROUTES, Cancellation
+from . import siblings
+from .cancel import CANCEL_ROUTES, MAX_IDS_PER_CALL, Cancellation
 from .context import CONTEXT, ProxyContext
 from .fleet import Fleet, PeerResult
 
@@ -37,8 +42,10 @@ _SCOPES = ("local", "fleet")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_admin_app(proxy_app: web.Application) -> web.Application:
-    """The admin app reads the proxy app's context (created by the proxy app's cleanup)."""
+def create_admin_app(proxy_app: web.Application, *, for_siblings: bool = False) -> web.Application:
+    """The admin app reads the proxy app's context (created by the proxy app's cleanup).
+    `for_siblings`: it is a worker's, served on its private socket only, and answers the
+    other workers' cancels and lists there too (`siblings`)."""
     app = web.Application()
     app[PROXY_APP] = proxy_app
     add_admin_routes(
@@ -49,6 +56,9 @@ def create_admin_app(proxy_app: web.Application) -> web.Application:
         abort_request=abort_request,
         cancel_request=cancel_request,
     )
+    if for_siblings:
+        app.router.add_post(siblings.CANCEL_PATH, sibling_cancel)
+        app.router.add_post(siblings.REQUESTS_PATH, sibling_requests)
     return app
 
 
@@ -148,6 +158,53 @@ async def cancel_request(request: web.Request) -> web.Response:
         return error_response(error)
     done = await request.app[PROXY_APP][CANCEL_ROUTES].cancel_local(request_id, caller)
     return cancel_answer(ctx.fleet, done)
+
+
+async def sibling_cancel(request: web.Request) -> web.Response:
+    """Another worker's cancel by ID: the caller's requests with these IDs held here, each
+    ID's answer in order. No token: only this user's processes reach the socket
+    (`siblings`)."""
+    try:
+        payload = await request.json()
+        request_ids = payload["request_ids"]
+        caller = _caller_hash(payload)
+        if not (
+            isinstance(request_ids, list)
+            and 0 < len(request_ids) <= MAX_IDS_PER_CALL
+            and all(isinstance(each, str) for each in request_ids)
+        ):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return error_response(
+            InvalidAdminBodyError('send {"request_ids": ["<id>", ...], "caller": "<hex>" or null}')
+        )
+    cancel_routes = request.app[PROXY_APP][CANCEL_ROUTES]
+    done = await asyncio.gather(*(cancel_routes.cancel_local(rid, caller) for rid in request_ids))
+    replica = _context(request).fleet.replica
+    data = [
+        {"cancelled": each.cancelled, "engine": each.engine, "replica": replica} for each in done
+    ]
+    return web.json_response({"data": data})
+
+
+async def sibling_requests(request: web.Request) -> web.Response:
+    """Another worker's `GET /v1/requests`: the caller's requests held here, nobody else's."""
+    try:
+        caller = _caller_hash(await request.json())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return error_response(InvalidAdminBodyError('send {"caller": "<hex>" or null}'))
+    listed = request.app[PROXY_APP][CANCEL_ROUTES].list_local(caller)
+    return web.json_response({"object": "list", "data": listed})
+
+
+def _caller_hash(payload: dict[str, object]) -> bytes | None:
+    """The caller a sibling's call names: its hash, hex, or null (no credential)."""
+    caller = payload["caller"]
+    if caller is None:
+        return None
+    if not isinstance(caller, str):
+        raise TypeError
+    return bytes.fromhex(caller)
 
 
 def cancel_answer(fleet: Fleet, done: Cancellation) -> web.Response:

@@ -36,6 +36,7 @@ from .engine_identity import EngineIdentity
 from .fleet import Fleet
 from .handler import proxy_request
 from .health import Readiness
+from .siblings import Siblings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -47,6 +48,8 @@ TRACER_PROVIDER = web.AppKey("tether_tracer_provider", object)
 FAULTS = web.AppKey("tether_faults", Faults)
 # The key callers are hashed with, as the supervisor hands it to its workers (`wire.callers`).
 CALLER_KEY = web.AppKey("tether_caller_key", bytes)
+# The other workers' admin sockets, as the supervisor hands them to a worker (`siblings`).
+SIBLING_SOCKETS = web.AppKey[tuple[str, ...]]("tether_sibling_sockets")
 
 
 # How long start-up waits for the engine to say what it is (an engine that is up answers in
@@ -59,9 +62,11 @@ def create_app(
     tracer_provider: object | None = None,
     faults: Faults | None = None,
     caller_key: bytes | None = None,
+    sibling_sockets: tuple[str, ...] = (),
 ) -> web.Application:
     """`faults`: a test's own failures at named points (`proxy.faults`); None in production.
-    `caller_key`: the key a supervisor shares with its workers (None: one process)."""
+    `caller_key`: the key a supervisor shares with its workers (None: one process).
+    `sibling_sockets`: a worker's way to the supervisor's other workers (`siblings`)."""
     # Never served itself (runner.py serves requests): it holds the keys and lifetimes.
     app = web.Application()
     app[SETTINGS] = settings
@@ -71,6 +76,7 @@ def create_app(
         app[FAULTS] = faults
     if caller_key is not None:
         app[CALLER_KEY] = caller_key
+    app[SIBLING_SOCKETS] = sibling_sockets
     app.cleanup_ctx.append(_proxy_context)
     return app
 
@@ -92,7 +98,8 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
             UpstreamClient.open(
                 settings, keepalive_seconds=KEEPALIVE_SECONDS, uploads=uploads
             ) as upstream,
-            Fleet.open(settings, worker=CALLER_KEY in app) as fleet,
+            Fleet.open(settings) as fleet,
+            Siblings.open(settings, app[SIBLING_SOCKETS]) as siblings,
         ):
             identity = EngineIdentity(settings, upstream, metrics)
             # Asked before the first client is served, where the engine answers at once (it
@@ -120,7 +127,7 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 usage=UsageAsking(settings.ask_for_usage),
                 faults=faults,
             )
-            app[CANCEL_ROUTES] = CancelRoutes(ctx, functools.partial(proxy_request, ctx))
+            app[CANCEL_ROUTES] = CancelRoutes(ctx, functools.partial(proxy_request, ctx), siblings)
             monitor = asyncio.create_task(readiness.run(), name="readiness")
             try:
                 yield

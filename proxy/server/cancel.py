@@ -20,8 +20,10 @@ event and then ends as a complete response, a client still waiting for its answe
 The caller is the keyed hash of the credential its requests carry (`wire.callers`). An ID
 that is unknown, another caller's or finished gets one and the same 404, and failed attempts
 on one connection are bounded (then 429 and the connection closes), so IDs cannot be probed
-cheaply. With the fleet settings, an ID not held here is asked of the other replicas over
-their admin API (`fleet.Fleet.cancel`).
+cheaply. An ID not held here is asked of this supervisor's other workers (TETHER_WORKERS > 1,
+over their private sockets: `siblings.Siblings`), then, with the fleet settings, of the other
+replicas over their admin API (`fleet.Fleet.cancel`); `GET /v1/requests` lists the caller's
+requests on every worker.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from ..outcomes import Outcome, Phase
 from ..request.state import RequestState
 from ..wire.ids import InvalidClientRequestId, check_client_request_id
 from .context import ProxyContext
+from .fleet import PeerCancellation
+from .siblings import Siblings
 
 log = structlog.get_logger("tether.cancel")
 
@@ -108,9 +112,10 @@ class Cancellation:
 class CancelRoutes:
     """The cancel routes of one app: which requests they answer, and the answers."""
 
-    def __init__(self, ctx: ProxyContext, forward: _Handler) -> None:
+    def __init__(self, ctx: ProxyContext, forward: _Handler, siblings: Siblings) -> None:
         self._ctx = ctx
         self._forward = forward  # the engine's route, for what tether does not hold
+        self._siblings = siblings  # this supervisor's other workers (none for one process)
         # Failed cancels per client connection (aiohttp's protocol object).
         self._failures: dict[object, int] = {}
 
@@ -155,13 +160,11 @@ class CancelRoutes:
             request_ids = await _request_ids(request)
             caller = self._caller(request)
             done = await asyncio.gather(*(self.cancel_local(rid, caller) for rid in request_ids))
-            # Only as many IDs as the connection may still fail with are asked elsewhere: a
-            # batch does not multiply the calls to other replicas.
+            # Only as many IDs as the connection may still fail with are asked of other
+            # replicas: a batch does not multiply the calls to them.
             budget = max(FAILED_CANCELS_PER_CONNECTION - self._failures.get(request.protocol, 0), 0)
-            missing = [at for at, each in enumerate(done) if each.cancelled == 0][:budget]
-            found = await asyncio.gather(
-                *(self._elsewhere(request_ids[at], caller) for at in missing)
-            )
+            missing = [at for at, each in enumerate(done) if each.cancelled == 0]
+            found = await self._elsewhere([request_ids[at] for at in missing], caller, budget)
             for at, each in zip(missing, found, strict=True):
                 done[at] = each
             for each in done:
@@ -187,49 +190,75 @@ class CancelRoutes:
 
     async def _list(self, request: web.BaseRequest) -> web.StreamResponse:
         caller = self._caller(request)
+        listed = self.list_local(caller)
+        if self._siblings and self._may_act(caller):
+            listed.extend(await self._siblings.requests(caller))
+            listed.sort(key=lambda entry: -_age(entry))
+            del listed[MAX_LISTED:]
+        return web.json_response(
+            {"object": "list", "data": listed, "has_more": len(listed) == MAX_LISTED}
+        )
+
+    def list_local(self, caller: bytes | None) -> list[dict[str, object]]:
+        """The caller's requests in flight held here (at most MAX_LISTED), as
+        `GET /v1/requests` shows them."""
         now = time.monotonic()
-        listed = []
+        listed: list[dict[str, object]] = []
         if self._may_act(caller):
             for state in self._ctx.registry:
                 if state.caller == caller and _in_flight(state):
                     listed.append(_listing(state, now))
                     if len(listed) == MAX_LISTED:
                         break
-        return web.json_response(
-            {"object": "list", "data": listed, "has_more": len(listed) == MAX_LISTED}
-        )
+        return listed
 
     # --- cancelling ------------------------------------------------------------------------
 
     async def cancel(self, request_id: str, caller: bytes | None) -> Cancellation:
-        """Cancel the caller's requests with this ID here, else (with the fleet settings) on
-        the replica that holds them."""
+        """Cancel the caller's requests with this ID here, else on the worker or (with the
+        fleet settings) the replica that holds them."""
         held = self._owned(request_id, caller)
         if held:
             return await self._cancel_held(request_id, held)
-        done = await self._elsewhere(request_id, caller)
+        (done,) = await self._elsewhere([request_id], caller, 1)
         if done.cancelled == 0:
             self._count("not_found")
         return done
 
-    async def _elsewhere(self, request_id: str, caller: bytes | None) -> Cancellation:
-        """The caller's requests with this ID cancelled by the process that holds them (this
-        replica's other workers, other replicas), where there are others to ask."""
+    async def _elsewhere(
+        self, request_ids: list[str], caller: bytes | None, replica_budget: int
+    ) -> list[Cancellation]:
+        """The caller's requests with these IDs cancelled by the processes that hold them:
+        this supervisor's other workers (one call each for all the IDs), then, for the first
+        `replica_budget` IDs still not found, the other replicas."""
+        done = [Cancellation(0, None)] * len(request_ids)
         fleet = self._ctx.fleet
-        if not (fleet.cancels_elsewhere and self._may_act(caller) and _checked(request_id)):
-            return Cancellation(0, None)
-        found = await fleet.cancel(request_id, caller)
-        if found is None:
-            return Cancellation(0, None)
-        self._count("peer")
-        log.info(
-            "request_cancelled",
-            id_asked=request_id,
-            replica=found.replica,
-            cancelled=found.cancelled,
-            engine=found.engine,
-        )
-        return Cancellation(found.cancelled, found.engine, found.replica)
+        if not ((self._siblings or fleet.configured) and self._may_act(caller)):
+            return done
+        asked = [at for at, request_id in enumerate(request_ids) if _checked(request_id)]
+        found: dict[int, PeerCancellation] = {}
+        if self._siblings and asked:
+            answers = await self._siblings.cancel([request_ids[at] for at in asked], caller)
+            found.update(
+                (at, each) for at, each in zip(asked, answers, strict=True) if each is not None
+            )
+        if fleet.configured:
+            rest = [at for at in asked if at not in found][:replica_budget]
+            answers = await asyncio.gather(*(fleet.cancel(request_ids[at], caller) for at in rest))
+            found.update(
+                (at, each) for at, each in zip(rest, answers, strict=True) if each is not None
+            )
+        for at, each in sorted(found.items()):
+            self._count("peer")
+            log.info(
+                "request_cancelled",
+                id_asked=request_ids[at],
+                replica=each.replica,
+                cancelled=each.cancelled,
+                engine=each.engine,
+            )
+            done[at] = Cancellation(each.cancelled, each.engine, each.replica)
+        return done
 
     async def cancel_local(self, request_id: str, caller: bytes | None) -> Cancellation:
         """Cancel the caller's requests with this ID held here only (a peer's call)."""
@@ -386,6 +415,11 @@ def _listing(state: RequestState, now: float) -> dict[str, object]:
         "phase": state.phase.value,
         "age_seconds": round(now - state.started_at, 3),
     }
+
+
+def _age(entry: dict[str, object]) -> float:
+    age = entry.get("age_seconds")
+    return float(age) if isinstance(age, int | float) else 0.0
 
 
 def _closed(connection: object) -> bool:

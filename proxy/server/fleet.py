@@ -51,9 +51,7 @@ class PeerCancellation:
 class Fleet:
     """The other replicas' admin APIs, as far as this one knows them."""
 
-    def __init__(
-        self, settings: Settings, session: aiohttp.ClientSession, *, worker: bool = False
-    ) -> None:
+    def __init__(self, settings: Settings, session: aiohttp.ClientSession) -> None:
         self._dns = (
             split_host_port(settings.fleet_dns, settings.admin_port)
             if settings.fleet_dns is not None
@@ -69,13 +67,6 @@ class Fleet:
             total=settings.fleet_timeout + settings.abort_confirm_timeout + 1.0
         )
         self._token = settings.admin_token
-        # A supervisor's worker reaches the other workers through the supervisor's admin port
-        # (which asks each of them), where an admin token lets it call that port.
-        self._supervisor = (
-            (_local_address(settings.admin_host), settings.admin_port)
-            if worker and self._token is not None
-            else None
-        )
         self._session = session
         # This replica, told apart from the others in a fan-out (a DNS answer lists it too):
         # a random instance ID, and the host name operators know it by (the pod's name).
@@ -84,26 +75,20 @@ class Fleet:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, settings: Settings, *, worker: bool = False) -> AsyncIterator[Fleet]:
+    async def open(cls, settings: Settings) -> AsyncIterator[Fleet]:
         # Peer calls use connections of their own: never the engine's, never warm for long.
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(force_close=True, limit=0),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         try:
-            yield cls(settings, session, worker=worker)
+            yield cls(settings, session)
         finally:
             await session.close()
 
     @property
     def configured(self) -> bool:
         return self._dns is not None or bool(self._static)
-
-    @property
-    def cancels_elsewhere(self) -> bool:
-        """Whether a cancel not held here can be asked of other processes (replicas, or this
-        replica's other workers)."""
-        return self.configured or self._supervisor is not None
 
     async def peers(self) -> list[tuple[str, int]]:
         """Every replica address: all records of the DNS name, then the static list."""
@@ -134,8 +119,6 @@ class Fleet:
         first (normally the only) one that held any, or None. The caller goes as its keyed
         hash (the same on every replica: the key derives from the admin token)."""
         peers = await self.peers()
-        if self._supervisor is not None:
-            peers.insert(0, self._supervisor)
         body = json.dumps(
             {"request_id": request_id, "caller": caller.hex() if caller is not None else None}
         )
@@ -199,10 +182,3 @@ class Fleet:
             replica=str(payload.get("replica")),
             aborted=tuple(str(item) for item in aborted) if isinstance(aborted, list) else (),
         )
-
-
-def _local_address(host: str) -> str:
-    """An address of this machine's `host` listener to connect to (a wildcard: loopback)."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    return "::1" if host == "::" else host

@@ -76,12 +76,14 @@ def tcp_socket(host: str, *, reuse_port: bool) -> socket.socket:
 @dataclass(frozen=True, slots=True)
 class WorkerSeat:
     """Where one of a supervisor's workers listens: the client port it shares with the other
-    workers, and its own admin app on a Unix socket only the supervisor can reach."""
+    workers, its own admin app on a Unix socket only this user's processes can reach (the
+    supervisor, the other workers), and the other workers' sockets."""
 
     index: int
     port: int
     admin_socket: str
     caller_key: bytes | None = None  # shared by all the supervisor's workers (`wire.callers`)
+    sibling_sockets: tuple[str, ...] = ()  # the other workers' admin sockets (`siblings`)
 
 
 def started_facts(settings: Settings) -> dict[str, str]:
@@ -107,11 +109,19 @@ class TetherServer:
         self.settings = settings
         self.seat = seat
         self.app = create_app(
-            settings, tracer_provider, faults, seat.caller_key if seat is not None else None
+            settings,
+            tracer_provider,
+            faults,
+            seat.caller_key if seat is not None else None,
+            seat.sibling_sockets if seat is not None else (),
         )
         self._proxy_runner: web.ServerRunner | None = None
+        # A worker's admin app is served on its private socket only: there it also answers
+        # the other workers (`siblings`).
         self._admin_runner = web.AppRunner(
-            create_admin_app(self.app), handle_signals=False, access_log=None
+            create_admin_app(self.app, for_siblings=seat is not None),
+            handle_signals=False,
+            access_log=None,
         )
         self._proxy_site: web.SockSite | None = None
         self._stopped = False

@@ -200,8 +200,9 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def cancel_request(request: web.Request) -> web.Response:
-    """A cancel by ID for the workers (asked by one of them, or by another replica): each
-    worker's local cancel; the answer of the one that held the request."""
+    """A cancel by ID another replica asks of this one's workers: each worker's local cancel;
+    the answer of the one that held the request. (The workers ask each other directly, with
+    no token: `server.siblings`.)"""
     settings = request.app[SETTINGS]
     try:
         check_authorised(request, settings)

@@ -173,6 +173,12 @@ class Supervisor:
             str(self._lifeline),
             "--caller-key-fd",
             str(key_fd),
+            *(
+                argument
+                for other in self.workers
+                if other is not worker
+                for argument in ("--sibling-socket", other.admin_socket)
+            ),
             pass_fds=(self._lifeline, key_fd),
             stdin=asyncio.subprocess.DEVNULL,
         )

@@ -166,7 +166,7 @@ async def start_tether_process(
     ready_timeout: float = READY_TIMEOUT,
 ) -> TetherProcess:
     """`python -m proxy` in front of `engine_url`, both its ports on `host` (free ports unless
-    `env` sets TETHER_PORT / TETHER_ADMIN_PORT; with TETHER_PORT=0 the port is read from its
+    `env` sets TETHER_PORT / TETHER_ADMIN_PORT; with 0 the port is read from its
     `tether_started` line), with the TETHER_* settings in `env` on top of test defaults (fast
     health checks, no repeated abort); returns once `/readyz` is 200.
     `prefix` runs it under another command (e.g. `unshare` for a private /etc/hosts)."""
@@ -194,6 +194,9 @@ async def start_tether_process(
     tether = TetherProcess(process, port, admin_port, log, host)
     tether._start_pump()
     try:
+        if admin_port == 0:  # the line comes before readiness: only then is the port known
+            started = await tether.wait_event("tether_started", ready_timeout)
+            tether.admin_port = int(started["admin_port"])
         await _wait_ready(process, tether.admin_url("/readyz"), ready_timeout, tether.output)
         if port == 0:
             tether.port = int((await tether.wait_event("tether_started"))["port"])
