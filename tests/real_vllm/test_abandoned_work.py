@@ -38,6 +38,7 @@ class VllmTimeline:
 
     received: dict[str, float]
     aborted: dict[str, list[float]]
+    added: dict[str, float]  # when vLLM registered it (`Added request`), after receiving it
 
     def stopped_at(self, internal_request_id: str) -> float | None:
         """vLLM's first abort of the request after it received it (an abort can arrive
@@ -48,10 +49,18 @@ class VllmTimeline:
         after = [t for t in self.aborted.get(internal_request_id, []) if t >= start]
         return after[0] if after else None
 
+    def overtaken(self, internal_request_id: str) -> bool:
+        """Whether tether's first abort reached vLLM between its receiving the request and
+        registering it: the abort matched nothing (tether's repeats then follow)."""
+        aborts = self.aborted.get(internal_request_id, [])
+        added = self.added.get(internal_request_id)
+        return added is not None and bool(aborts) and aborts[0] < added
+
 
 def _timeline(stack: Stack, mark: int) -> VllmTimeline:
     received: dict[str, float] = {}
     aborted: dict[str, list[float]] = {}
+    added: dict[str, float] = {}
     text = stack.vllm.log.text_since(mark)
     for match in re.finditer(_LOG_TIME + r".*Received request (\S+): ", text, re.MULTILINE):
         found = re.search(r"[0-9a-f]{32}", match.group(2))
@@ -60,7 +69,11 @@ def _timeline(stack: Stack, mark: int) -> VllmTimeline:
     for match in re.finditer(_LOG_TIME + r".*Aborted request\(s\) (\S+)\.$", text, re.MULTILINE):
         for found in re.finditer(r"[0-9a-f]{32}", match.group(2)):
             aborted.setdefault(found.group(0), []).append(float(match.group(1)))
-    return VllmTimeline(received, aborted)
+    for match in re.finditer(_LOG_TIME + r".*Added request (\S+)\.$", text, re.MULTILINE):
+        found = re.search(r"[0-9a-f]{32}", match.group(2))
+        if found:
+            added.setdefault(found.group(0), float(match.group(1)))
+    return VllmTimeline(received, aborted, added)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -229,8 +242,16 @@ def test_abandoned_work_of_a_hundred_clients(
     assert finished_by_length == len(completers)
     assert vllm_load(stack) == 0
     if dev_mode:
-        assert results["confirmed"] == len(reached), results
-        assert results["unconfirmed"] == results["failed"] == results["not_supported"] == 0
+        # vLLM 0.32: a request whose first abort reached the API server after it received the
+        # request but before it registered it (tether sends the abort the moment its client
+        # leaves) may never end its response, though tether's repeats reach vLLM after the
+        # registration and vLLM logs them as aborts and stops generating: tether then reports
+        # it unconfirmed and drops the connection at TETHER_ABORT_CONFIRM_TIMEOUT. Seen on one
+        # seeded client in two runs out of two (2026-12-03); every other leaver is confirmed.
+        overtaken = sum(1 for _, internal in reached if timeline.overtaken(internal))
+        assert results["unconfirmed"] <= overtaken, (results, overtaken)
+        assert results["confirmed"] + results["unconfirmed"] == len(reached), results
+        assert results["failed"] == results["not_supported"] == 0
         # tether's books never hold more tokens than vLLM generated...
         assert relayed + after_disconnect <= generated, (relayed, after_disconnect, generated)
         # ...and miss at most one per stopped stream: the token in flight when its client
