@@ -161,6 +161,9 @@ class Supervisor:
     async def _spawn_with(self, worker: Worker, key_fd: int) -> None:
         worker.process = await asyncio.create_subprocess_exec(
             sys.executable,
+            # -P: the working directory stays off the module path, so a `proxy` directory
+            # there (nginx makes one for its temporary files) cannot stand in for tether.
+            "-P",
             "-m",
             "proxy.workers.worker",
             "--index",
