@@ -116,12 +116,19 @@ async def _relay_whole(
         headers=_client_headers(head, state, ctx, rewritten=True),
         body=body,
     )
+    return await _answer_whole(request, state, ctx, response)
+
+
+async def _answer_whole(
+    request: web.BaseRequest, state: RequestState, ctx: ProxyContext, response: web.Response
+) -> web.Response:
+    """Write an answer whose body tether holds whole. Written here rather than by aiohttp
+    once the handler returns: the client has its answer before the request is reported (its
+    log line, metrics and span cost a request's latency otherwise), and "completed" means it
+    was written."""
     if ctx.readiness.draining:
         response.force_close()
     state.client_response = response
-    # Written here rather than by aiohttp once the handler returns: the client has its answer
-    # before the request is reported (its log line, metrics and span cost a request's
-    # latency otherwise), and "completed" means it was written.
     await _to_client(response.prepare(request))
     await _to_client(response.write_eof())
     return response
@@ -158,13 +165,9 @@ async def _relay_assembled(
     for name in _STREAM_ONLY_HEADERS:
         headers.popall(name, None)
     headers[_CONTENT_TYPE] = _JSON
-    response = web.Response(status=status, headers=headers, body=body)
-    if ctx.readiness.draining:
-        response.force_close()
-    state.client_response = response
-    await _to_client(response.prepare(request))
-    await _to_client(response.write_eof())
-    return response
+    return await _answer_whole(
+        request, state, ctx, web.Response(status=status, headers=headers, body=body)
+    )
 
 
 async def _relay_stream(
