@@ -127,10 +127,8 @@ CONTROL_ROUTES = (
     "/cors-proxy",
 )
 
-# The routes a client uses (`TETHER_ALLOWED_PATHS=public`): the inference APIs, the
-# conversation streams' replay, lookup and stop (the owner's), tokenizer-only routes and
-# harmless reads. Whole path segments.
-PUBLIC_ROUTES = (
+# The routes that start generation.
+_GENERATION_PATHS = (
     "/v1/chat/completions",
     "/chat/completions",
     "/v1/completions",
@@ -140,6 +138,14 @@ PUBLIC_ROUTES = (
     "/v1/messages",
     "/v1/responses",
     "/responses",
+)
+GENERATION_ROUTES = frozenset(_GENERATION_PATHS)
+
+# The routes a client uses (`TETHER_ALLOWED_PATHS=public`): the inference APIs, the
+# conversation streams' replay, lookup and stop (the owner's), tokenizer-only routes and
+# harmless reads. Whole path segments.
+PUBLIC_ROUTES = (
+    *_GENERATION_PATHS,
     "/v1/embeddings",
     "/embedding",
     "/embeddings",
@@ -158,20 +164,6 @@ PUBLIC_ROUTES = (
     "/models",
     "/health",
     "/v1/health",
-)
-
-GENERATION_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/chat/completions",
-        "/v1/completions",
-        "/completion",
-        "/completions",
-        "/infill",
-        "/v1/messages",
-        "/v1/responses",
-        "/responses",
-    }
 )
 PROBE_ROUTES = frozenset({"/health", "/v1/health", "/v1/models", "/models", "/metrics"})
 
