@@ -26,11 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from .systems import free_port
+from .systems import CLIENT_CORES, PROXY_CORES, free_port, running
 
 SYSTEMS = ("tether", "aiohttp_floor")
 # Under callgrind a start-up (imports, the frozen heap) takes a minute or more.
@@ -89,21 +87,6 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes]) -> None:
     raise RuntimeError(f"not answering on port {port} after {_START_TIMEOUT_S:.0f} s")
 
 
-@contextmanager
-def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as out:
-        process = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _proxy_command(
     system: str, port: int, engine_port: int, tmp: Path
 ) -> tuple[list[str], dict[str, str]]:
@@ -131,7 +114,7 @@ def count(system: str, requests: int, tmp: Path) -> float:
     engine_port, port = free_port(), free_port()
     out = tmp / f"{system}.callgrind"
     engine_args = [sys.executable, "-m", "bench.engine", "--port", str(engine_port)]
-    with _process(engine_args, dict(os.environ), tmp / "engine.log"):
+    with running(engine_args, cores=CLIENT_CORES, log=tmp / "engine.log", env=dict(os.environ)):
         args, env = _proxy_command(system, port, engine_port, tmp)
         valgrind = [
             "valgrind",
@@ -140,7 +123,9 @@ def count(system: str, requests: int, tmp: Path) -> float:
             "--dump-instr=no",
             "--compress-strings=no",
         ]
-        with _process([*valgrind, *args], env, tmp / f"{system}.log") as process:
+        with running(
+            [*valgrind, *args], cores=PROXY_CORES, log=tmp / f"{system}.log", env=env
+        ) as process:
             _wait_listening(port, process)
             _send(port, 1, _WARMUP_REQUESTS)
             subprocess.run(
