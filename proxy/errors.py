@@ -118,6 +118,21 @@ class RequestNotFoundError(ClientRequestError, LookupError):
         super().__init__("no request of yours with this ID is in flight")
 
 
+class InvalidLastEventIdError(ClientRequestError, ValueError):
+    """A resume names the last event it received as something other than an event number of
+    the stream."""
+
+
+class EventsNoLongerHeldError(ClientRequestError):
+    """A resume asks for events the stream no longer holds (past TETHER_RESUME_BUFFER)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the events after the one named are no longer held (TETHER_RESUME_BUFFER); the "
+            "stream cannot be resumed from there"
+        )
+
+
 class TooManyFailedCancelsError(ClientRequestError):
     """A connection's cancel calls found nothing too often: IDs are not guessed cheaply."""
 
@@ -268,6 +283,8 @@ ERROR_KINDS: Final[dict[type[TetherError], ErrorKind]] = {
     ),
     UnsupportedUpgradeError: ErrorKind(400, _INVALID, "unsupported_upgrade", _INFO),
     RequestNotFoundError: ErrorKind(404, _INVALID, "request_not_found", _INFO),
+    InvalidLastEventIdError: ErrorKind(400, _INVALID, "invalid_last_event_id", _INFO),
+    EventsNoLongerHeldError: ErrorKind(410, _INVALID, "events_no_longer_held", _INFO),
     # The connection closes: its next guesses need a new connection (and a new budget).
     TooManyFailedCancelsError: ErrorKind(
         429, _INVALID, "too_many_failed_cancels", _INFO, closes_connection=True

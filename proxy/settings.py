@@ -160,6 +160,23 @@ class Settings(EngineSettings, _SettingsHead):
     stream_idle_timeout: Seconds | None = Field(
         None, description="Seconds of upstream silence allowed mid-response; unset: no limit."
     )
+    resume_grace: Seconds | None = Field(
+        None,
+        description="Seconds a streamed answer outlives its client's connection, held for the "
+        "same caller to resume (GET /v1/requests/<id>/stream with Last-Event-ID); each event "
+        "then carries an id line. Unset: off, the engine's work is stopped at once.",
+    )
+    resume_buffer: int = Field(
+        1024 * 1024,
+        gt=0,
+        description="Bytes of one stream's events held for a resume (past it the oldest go "
+        "while its client reads; a stream held for a resume is stopped).",
+    )
+    resume_buffer_total: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Bytes of events held for resumes by all streams of one process together.",
+    )
     client_header_timeout: Seconds = Field(
         60.0,
         description="Seconds a client connection may go without a complete request head: "
@@ -434,6 +451,13 @@ class Settings(EngineSettings, _SettingsHead):
                 "only, and a duplicate on another worker would share the engine's ID (its "
                 "client leaving would abort the other's request)"
             )
+        if self.resume_grace is not None and self.workers != 1:
+            raise ValueError(
+                "TETHER_RESUME_GRACE needs TETHER_WORKERS=1: a resumed stream is held by the "
+                "process its first connection reached, and a reconnection may reach another"
+            )
+        if self.resume_buffer > self.resume_buffer_total:
+            raise ValueError("TETHER_RESUME_BUFFER must not exceed TETHER_RESUME_BUFFER_TOTAL")
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
         return self

@@ -89,6 +89,19 @@ from .support.settings import make_settings
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_MAX_STREAMED_UPLOADS": "0"},
             "TETHER_MAX_STREAMED_UPLOADS",
         ),
+        (  # a reconnection may reach another worker, which does not hold the stream
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_RESUME_GRACE": "30", "TETHER_WORKERS": "2"},
+            "TETHER_RESUME_GRACE needs TETHER_WORKERS=1",
+        ),
+        (
+            {
+                "TETHER_UPSTREAM_URL": "http://x",
+                "TETHER_RESUME_BUFFER": "2000000",
+                "TETHER_RESUME_BUFFER_TOTAL": "1000000",
+            },
+            "TETHER_RESUME_BUFFER must not exceed TETHER_RESUME_BUFFER_TOTAL",
+        ),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_RESUME_GRACE": "0"}, "TETHER_RESUME_GRACE"),
     ],
 )
 def test_bad_setting_exits_2_naming_the_variable(

@@ -255,6 +255,17 @@ class Metrics:
             "upstream_failed.",
             ("outcome",),
         )
+        self.stream_holds = Counter(
+            "tether_stream_holds",
+            "Streams held after their client's connection dropped (TETHER_RESUME_GRACE), by "
+            "how the hold ended: resumed (a resume took it over; counted once per resume), "
+            "lapsed (no resume within the grace, or more held than TETHER_RESUME_BUFFER: "
+            "the engine's work was stopped).",
+            ("result",),
+        )
+        self.streams_held = Gauge(
+            "tether_streams_held", "Streams held for a resume now, their client away."
+        )
         self._all: tuple[Counter | Gauge | Info | Histogram, ...] = (
             self.requests,
             self.outcomes,
@@ -278,6 +289,8 @@ class Metrics:
             self.websocket_sessions_open,
             self.websocket_sessions,
             self.streamed_uploads,
+            self.stream_holds,
+            self.streams_held,
         )
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)

@@ -54,6 +54,26 @@ class Accounting:
             state.span.event("client_disconnected", phase=phase)
             state.span.set(disconnect_phase=phase)
 
+    def stream_held(self, state: RequestState, grace: float) -> None:
+        """Its client's connection dropped and its stream is held for a resume."""
+        self._metrics.streams_held.value += 1
+        log.info("stream_held", phase=state.phase.value, grace_seconds=grace)
+        if state.span is not None:
+            state.span.event("stream_held")
+
+    def stream_resumed(self, state: RequestState) -> None:
+        """A resume took over its held stream."""
+        self._metrics.streams_held.value -= 1
+        self._metrics.stream_holds.inc("resumed")
+        log.info("stream_resumed")
+        if state.span is not None:
+            state.span.event("stream_resumed")
+
+    def stream_not_resumed(self, state: RequestState) -> None:
+        """No resume came within the grace (or it held more than allowed): it is abandoned."""
+        self._metrics.streams_held.value -= 1
+        self._metrics.stream_holds.inc("lapsed")
+
     def websocket_opened(self) -> None:
         self._metrics.websocket_sessions_open.value += 1
 

@@ -20,6 +20,7 @@ from ..outcomes import AbortResult, Outcome, Phase
 from ..upstream.exchange import UpstreamExchange
 from ..upstream.relay import ResponseRelay
 from .body import NOTHING_LEARNT, BodyFacts
+from .held_stream import HeldStream
 from .websocket import ClientFrames
 
 
@@ -78,6 +79,8 @@ class RequestState:
     upstream: UpstreamExchange | None = None  # its exchange with the engine, once begun
     relay: ResponseRelay | None = None  # where the engine's response goes, once it began
     client_response: web.StreamResponse | None = None  # once its head was built
+    # Its stream, once it relays one its client may resume (TETHER_RESUME_GRACE).
+    held: HeldStream | None = None
     # The client's side of a WebSocket session, once the engine took it (the engine's side
     # is `relay`).
     tunnel: ClientFrames | None = None

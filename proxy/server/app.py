@@ -29,6 +29,7 @@ from ..settings import RequestIdMode, Settings
 from ..upstream.client import UpstreamClient
 from ..upstream.pool import UploadLimit
 from ..wire.callers import Callers, caller_key
+from ..wire.event_log import HeldBytes
 from ..wire.ids import IdMinter
 from .cancel import CANCEL_ROUTES, CancelRoutes
 from .context import CONTEXT, ProxyContext, UsageAsking
@@ -125,6 +126,11 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 ids=IdMinter(),
                 callers=Callers(_caller_key(settings, app), settings.cancel_credential_header),
                 usage=UsageAsking(settings.ask_for_usage),
+                resume_budget=(
+                    HeldBytes(settings.resume_buffer_total)
+                    if settings.resume_grace is not None
+                    else None
+                ),
                 faults=faults,
             )
             app[CANCEL_ROUTES] = CancelRoutes(ctx, functools.partial(proxy_request, ctx), siblings)

@@ -8,6 +8,8 @@ the caller that owns the request.
   `MAX_IDS_PER_CALL`).
 - `GET /v1/requests`: the caller's own requests in flight; never another's, never tether's
   internal IDs.
+- `GET /v1/requests/{id}/stream`: resumes the caller's stream after a dropped connection
+  (TETHER_RESUME_GRACE: `resume`).
 - `POST /v1/responses/{id}/cancel`: an in-flight Responses API request tether holds is
   cancelled here; anything else (a stored background response) is the engine's route, and
   forwarded.
@@ -50,6 +52,8 @@ from ..request.state import RequestState
 from ..wire.ids import InvalidClientRequestId, check_client_request_id
 from .context import ProxyContext
 from .fleet import PeerCancellation
+from .respond import relay_resumed
+from .resume import STREAM, last_received
 from .siblings import Siblings
 
 log = structlog.get_logger("tether.cancel")
@@ -132,6 +136,8 @@ class CancelRoutes:
                 return self._list
             if method == "POST" and rest == [_CANCEL]:
                 return self._cancel_many
+            if method == "GET" and len(rest) == 2 and rest[1] == STREAM:
+                return self._resume
             if (method == "POST" and len(rest) == 2 and rest[1] == _CANCEL) or (
                 method == "DELETE" and len(rest) == 1
             ):
@@ -153,6 +159,25 @@ class CancelRoutes:
         except TetherError as error:
             return error_response(error)
         return web.json_response(done.as_json(request_id))
+
+    async def _resume(self, request: web.BaseRequest) -> web.StreamResponse:
+        """`GET /v1/requests/{id}/stream`: the caller's held stream, resumed on this
+        connection; one and the same 404 for anything else (as a cancel's)."""
+        request_id = unquote(request.rel_url.raw_path.split("/")[3])
+        try:
+            self._check_budget(request)
+            after = last_received(request)
+            held = [
+                state
+                for state in self._owned(request_id, self._caller(request))
+                if state.held is not None and state.held.resumable
+            ]
+            if not held:
+                self._failed(request, 1)
+                raise RequestNotFoundError()
+            return await relay_resumed(request, held[-1], self._ctx, after)
+        except TetherError as error:
+            return error_response(error)
 
     async def _cancel_many(self, request: web.BaseRequest) -> web.StreamResponse:
         try:

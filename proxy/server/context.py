@@ -16,6 +16,7 @@ from ..request.registry import Registry
 from ..settings import Settings
 from ..upstream.client import UpstreamClient
 from ..wire.callers import Callers
+from ..wire.event_log import HeldBytes
 from ..wire.ids import IdMinter
 from .engine_identity import EngineIdentity
 from .fleet import Fleet
@@ -60,6 +61,8 @@ class ProxyContext:
     ids: IdMinter
     callers: Callers  # the keyed hash of a request's credential: who may cancel it
     usage: UsageAsking
+    # The bytes streams hold for resumes (TETHER_RESUME_GRACE); None: resume is off.
+    resume_budget: HeldBytes | None
     faults: Faults | None  # a test's failures at named points; None in production
 
     @property

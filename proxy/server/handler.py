@@ -2,7 +2,8 @@
 
 accept → refuse what must not pass → name it and register → body (streamed, or with tether's
 ID written in) → send to the engine → its response relayed (`respond`) → on a disconnect,
-stop the engine's work (`aborts`) → one report (`request.accounting`).
+stop the engine's work (`aborts`), or hold its stream for a resume that carries it on
+(`resume`) → one report (`request.accounting`).
 
 Every way out of the ladder below decides the request's `Ending` in one place. The client
 leaving shows up here in one of two ways: the handler task is cancelled (aiohttp runs with
@@ -49,6 +50,7 @@ from ..wire.headers import client_head_size, upstream_request_headers
 from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .context import ProxyContext
 from .respond import answer_failure, end_stream, reject, relay_response, response_started
+from .resume import carry_on
 
 _CONTENT_LENGTH = istr("Content-Length")
 
@@ -121,8 +123,14 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         # 5a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
         outcome = _why_cancelled(request, state, ctx)
         if outcome is Outcome.CLIENT_DISCONNECTED:
-            state.ending = _client_gone(ctx, state)
-            raise
+            if state.held is None:
+                state.ending = await _client_gone(ctx, state)
+                raise
+            # Its stream may be resumed: the handler carries on without its connection.
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            state.ending = await _client_gone(ctx, state)
+            assert state.client_response is not None
+            return state.client_response
         ctx.aborts.stop_work(state)
         sent = response_started(state)
         if sent is not None:  # cut mid-response: the status it started with stands
@@ -145,7 +153,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         # 5b. A write found the client's socket closing, or the relay its sink. The response
         # goes back to aiohttp, whose last write fails quietly on the closed socket (an
         # exception here would be logged as a server error).
-        state.ending = _client_gone(ctx, state)
+        state.ending = await _client_gone(ctx, state)
         assert state.client_response is not None  # only a started answer finds it gone
         return state.client_response
     except TetherError as error:
@@ -254,9 +262,14 @@ async def _send(
     return upstream
 
 
-def _client_gone(ctx: ProxyContext, state: RequestState) -> Ending:
+async def _client_gone(ctx: ProxyContext, state: RequestState) -> Ending:
     """The client left before its answer was complete, however that showed: counted, and the
-    engine's work for it stopped."""
+    engine's work for it stopped, unless its stream is held for a resume that carries it on."""
+    held = state.held
+    if held is not None and held.resumable and not ctx.readiness.draining:
+        ending = await carry_on(ctx, state, held)
+        if ending is not None:
+            return ending
     ctx.accounting.client_left(state)
     ctx.aborts.stop_work(state)
     return Ending(Outcome.CLIENT_DISCONNECTED, 499)

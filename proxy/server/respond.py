@@ -7,6 +7,7 @@ disconnect."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable
 from dataclasses import replace
@@ -19,6 +20,8 @@ from multidict import CIMultiDict, istr
 
 from ..errors import (
     ClientGoneError,
+    EventsNoLongerHeldError,
+    InvalidLastEventIdError,
     InvalidRequestIdError,
     TetherError,
     UpstreamBrokenError,
@@ -26,11 +29,13 @@ from ..errors import (
 )
 from ..faults import RESPONSE_HEAD, STREAM_END
 from ..outcomes import Phase
+from ..request.held_stream import HeldStream, Resumer
 from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, ClientFrames
 from ..upstream.connection import ResponseHead
 from ..upstream.relay import ResponseRelay
 from ..wire.answer_assembly import AnswerAssembler
+from ..wire.event_log import EventLog
 from ..wire.headers import client_response_headers
 from ..wire.ids import (
     IdMapper,
@@ -75,11 +80,24 @@ async def relay_response(
         if state.body.usage_asked and sse
         else None
     )
-    state.relay = ResponseRelay(state.upstream, tokens, mapper, usage)
     length = head.content_length
     if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
+        state.relay = ResponseRelay(state.upstream, tokens, mapper, usage)
         return await _relay_whole(request, head, state, ctx)
+    events = _resumable_events(head, state, ctx, sse=sse)
+    state.relay = ResponseRelay(state.upstream, tokens, mapper, usage, events=events)
     return await _relay_stream(request, head, state, ctx, rewritten=mapper is not None, sse=sse)
+
+
+def _resumable_events(
+    head: ResponseHead, state: RequestState, ctx: ProxyContext, *, sse: bool
+) -> EventLog | None:
+    """With TETHER_RESUME_GRACE, a generation's stream of events is numbered and its latest
+    events held, so that its client can resume it after a dropped connection."""
+    budget = ctx.resume_budget
+    if budget is None or not sse or head.status != 200 or state.route is None:
+        return None
+    return EventLog(ctx.settings.resume_buffer, budget)
 
 
 def _id_mapper(head: ResponseHead, state: RequestState) -> IdMapper | None:
@@ -192,6 +210,8 @@ async def _relay_stream(
     if writer is None or transport is None or transport.is_closing():
         raise ClientGoneError("the client left before the response started")
     state.relay.to_client(transport, writer, chunked=_is_chunked(writer), is_sse=sse)
+    if state.relay.resumable:
+        state.held = HeldStream(state.relay, state.upstream, transport)
     state.phase = Phase.STREAMING
     state.upstream.attach(state.relay)
     await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
@@ -201,7 +221,57 @@ async def _relay_stream(
     _refuse_cut_session(state, sse=sse)
     if state.relay.engine_reports_usage:
         ctx.usage.engine_reports_usage()
+    if state.held is not None:
+        carried = state.held.carried
+        state.held.end(whole=True)
+        if carried:  # a resume took it over (its own connection was closed then) and ends it
+            return response
     await _to_client(response.write_eof())
+    return response
+
+
+async def relay_resumed(
+    request: web.BaseRequest, state: RequestState, ctx: ProxyContext, last_received: int
+) -> web.StreamResponse:
+    """A resume's answer: the stream's events after `last_received`, then the rest as the
+    engine sends them (written by the request's own relay), then its end; cut when the
+    stream is cut. Before its head: the events asked must still be held."""
+    held = state.held
+    assert held is not None
+    if last_received > held.relay.events_sent:
+        raise InvalidLastEventIdError(
+            f"the stream has sent {held.relay.events_sent} events; the last received cannot "
+            f"be {last_received}"
+        )
+    if not held.relay.holds_after(last_received):
+        raise EventsNoLongerHeldError()
+    response = web.StreamResponse(
+        status=200,
+        headers={
+            _CONTENT_TYPE: "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            ctx.settings.request_id_header: state.client_request_id,
+        },
+    )
+    writer = await _to_client(response.prepare(request))
+    transport = request.transport
+    if writer is None or transport is None or transport.is_closing():
+        raise ClientGoneError("the client left before the resumed stream started")
+    resumer = Resumer(transport, writer, chunked=_is_chunked(writer))
+    if not held.take_over(resumer, last_received):
+        transport.close()  # it ended for its client a moment ago: nothing to resume
+        return response
+    try:
+        whole = await resumer.done
+    except asyncio.CancelledError:
+        held.resumer_left(resumer)
+        raise
+    if not whole:
+        transport.close()  # cut, so that it never passes for a complete stream
+        return response
+    with contextlib.suppress(ClientGoneError):
+        await _to_client(response.write_eof())
     return response
 
 

@@ -360,6 +360,11 @@ class UpstreamExchange:
         self._sink_closed = True
         self._signal()
 
+    def on_sink_reopened(self) -> None:
+        """The sink writes somewhere again (a resumed stream's new connection): the wait for
+        the end goes on."""
+        self._sink_closed = False
+
     def close(self) -> None:
         """Drop the upstream connection (never pooled): the engine sees the disconnect.
 

@@ -15,6 +15,7 @@ from aiohttp.abc import AbstractStreamWriter
 from mypy_extensions import mypyc_attr
 
 from ..wire.answer_assembly import AnswerAssembler
+from ..wire.event_log import EventLog
 from ..wire.ids import IdMapper
 from ..wire.tokens import TokenCounter
 from ..wire.usage_events import UsageEventFilter
@@ -33,6 +34,8 @@ class _Mode(Enum):
     DISCARD = 3  # the client has left
     # Its caller cancelled it: the event in progress goes to the client, nothing after it.
     ENDING = 4
+    # Its client is away, and may resume: events are numbered and held, not written.
+    HELD = 5
 
 
 # Compiled, a class may only be subclassed in Python where it says so: the tests inject a
@@ -46,6 +49,7 @@ class ResponseRelay:
         "_assembler",
         "_buffer",
         "_chunked",
+        "_events",
         "_exchange",
         "_high_water",
         "_is_sse",
@@ -53,6 +57,7 @@ class ResponseRelay:
         "_mapper",
         "_mode",
         "_on_boundary",
+        "_on_overflow",
         "_pacer",
         "_transport",
         "_usage",
@@ -70,6 +75,7 @@ class ResponseRelay:
         mapper: IdMapper | None,
         usage: UsageEventFilter | None = None,
         assembler: AnswerAssembler | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self._exchange = exchange
         # BUFFER mode reads a stream into the non-streaming answer it makes, not into bytes.
@@ -77,6 +83,10 @@ class ResponseRelay:
         self._mapper = mapper
         # Takes out the usage event tether asked for (counted above, never relayed).
         self._usage = usage
+        # Numbers the events the client gets and holds the latest, for a resume (None: its
+        # client cannot resume).
+        self._events = events
+        self._on_overflow: Callable[[], None] | None = None
         self._mode = _Mode.HOLD
         self._transport: asyncio.Transport | None = None
         self._chunked = False
@@ -108,10 +118,15 @@ class ResponseRelay:
         is_sse: bool,
     ) -> None:
         """Relay to the client, whose response head already went out through `writer`."""
+        self._is_sse = is_sse
+        self._write_to(transport, writer, chunked=chunked)
+
+    def _write_to(
+        self, transport: asyncio.Transport, writer: AbstractStreamWriter, *, chunked: bool
+    ) -> None:
         self._transport = transport
         self._pacer = ReadPacer(self._exchange, writer.drain, self._transport_closed)
         self._chunked = chunked
-        self._is_sse = is_sse
         self._high_water = transport.get_write_buffer_limits()[1]
         self._mode = _Mode.CLIENT
 
@@ -126,10 +141,75 @@ class ResponseRelay:
             relaying = self._mode is _Mode.CLIENT or self._mode is _Mode.ENDING
             self.tokens_relayed = self.tokens.events if relaying else 0
         self._mode = _Mode.DISCARD
+        if self._events is not None:
+            self._events.release()
         self._exchange.forbid_reuse()
         if self._pacer is not None:
             self._pacer.stop()
         self._exchange.resume_reading()
+
+    def hold(self, on_overflow: Callable[[], None] | None = None) -> None:
+        """Its client is away and may resume: from here the events are held, not written, and
+        `on_overflow` is called once more is held than allowed. (Reading the engine goes on
+        unpaced: the bound on what is held bounds it.)"""
+        assert self._events is not None
+        if on_overflow is not None:
+            if self._events.over_limit:
+                on_overflow()
+            else:
+                self._on_overflow = on_overflow
+        if self._mode is _Mode.HELD:
+            return
+        if self.tokens_relayed is None:
+            self.tokens_relayed = self.tokens.events
+        self._mode = _Mode.HELD
+        if self._pacer is not None:
+            self._pacer.stop()
+        self._exchange.resume_reading()
+
+    def resume(
+        self,
+        transport: asyncio.Transport,
+        writer: AbstractStreamWriter,
+        *,
+        chunked: bool,
+        last_received: int,
+    ) -> bool:
+        """Relay to another connection of the same client (whose response head went out
+        through `writer`): every event after `last_received` first, then the rest as it comes.
+        False, and nothing changes, when those events are no longer held."""
+        assert self._events is not None
+        backlog = self._events.since(last_received)
+        if backlog is None or self._mode not in (_Mode.CLIENT, _Mode.HELD):
+            return False
+        if self._pacer is not None:
+            self._pacer.stop()
+        self._on_overflow = None
+        self.tokens_relayed = None
+        self._write_to(transport, writer, chunked=chunked)
+        if backlog:
+            self._write(transport, backlog)
+            self._last_written = backlog
+        return True
+
+    def release_events(self) -> None:
+        """No resume can come any more: what the events held goes back to the budget."""
+        if self._events is not None:
+            self._events.release()
+
+    def holds_after(self, last_received: int) -> bool:
+        """Whether every event after `last_received` is still held."""
+        return self._events is not None and self._events.since(last_received) is not None
+
+    @property
+    def resumable(self) -> bool:
+        """Its client may resume it: its events are numbered and held, and it still relays."""
+        return self._events is not None and self._mode in (_Mode.CLIENT, _Mode.HELD)
+
+    @property
+    def events_sent(self) -> int:
+        """Events begun on the way to the client (the last `id:` it may have seen)."""
+        return self._events.number if self._events is not None else 0
 
     def end_at_event_boundary(self, then: Callable[[], None]) -> None:
         """Its caller cancelled the request: the client's stream ends after the event in
@@ -162,7 +242,7 @@ class ResponseRelay:
             else:
                 self._buffer.append(chunk)
             return
-        if mode is not _Mode.CLIENT and mode is not _Mode.ENDING:
+        if mode is not _Mode.CLIENT and mode is not _Mode.ENDING and mode is not _Mode.HELD:
             return
         if self._usage is not None:
             chunk = self._usage.feed(chunk)
@@ -171,6 +251,14 @@ class ResponseRelay:
         if self._mapper is not None:
             chunk = self._mapper.feed(chunk)
             if not chunk:
+                return
+        if self._events is not None:
+            held = mode is _Mode.HELD
+            chunk = self._events.feed(chunk, drop_oldest=not held)
+            if held:
+                if self._events.over_limit and self._on_overflow is not None:
+                    on_overflow, self._on_overflow = self._on_overflow, None
+                    on_overflow()
                 return
         end = -1
         if mode is _Mode.ENDING:
@@ -182,14 +270,8 @@ class ResponseRelay:
         if transport.is_closing():
             self._transport_closed()
             return
-        if not chunk:
-            pass  # the event in progress had ended with the last write
-        elif not self._chunked:
-            transport.write(chunk)
-        elif len(chunk) < _COPY_BELOW:
-            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        else:  # a large read (the engine outpacing the client): framed without a copy
-            transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+        if chunk:  # (else the event in progress had ended with the last write)
+            self._write(transport, chunk)
         self.bytes_out += len(chunk)
         self._last_written = chunk
         if self._is_sse:
@@ -203,10 +285,22 @@ class ResponseRelay:
             assert self._pacer is not None
             self._pacer.pause_until_drained()
 
+    def _write(self, transport: asyncio.Transport, chunk: bytes) -> None:
+        if not self._chunked:
+            transport.write(chunk)
+        elif len(chunk) < _COPY_BELOW:
+            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        else:  # a large read (the engine outpacing the client): framed without a copy
+            transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+
     def _transport_closed(self) -> None:
-        """Where the body goes closed: relaying stops, and the exchange's reader hears of it
+        """Where the body goes closed: relaying stops (events a client may resume are still
+        numbered and kept until the handler decides), and the exchange's reader hears of it
         (the handler takes it for its client leaving)."""
-        self.discard()
+        if self.resumable:
+            self.hold()
+        else:
+            self.discard()
         self._exchange.on_sink_closed()
 
     # --- the end ---------------------------------------------------------------------------
@@ -223,12 +317,14 @@ class ResponseRelay:
             self._write_tail(tail)
 
     def _write_tail(self, tail: bytes) -> None:
+        if self._events is not None:
+            tail = self._events.feed(tail)  # (held for a resume, even if the write fails)
         transport = self._transport
         assert transport is not None
         if transport.is_closing():
             self._transport_closed()
             return
-        transport.write(b"%x\r\n%b\r\n" % (len(tail), tail) if self._chunked else tail)
+        self._write(transport, tail)
         self.bytes_out += len(tail)
 
     @property
