@@ -353,8 +353,8 @@ async def test_a_resume_from_events_no_longer_held_or_never_sent_is_refused(
         headers=ALICE,
     ) as again:
         assert again.status == 200
-        [last] = await _events(again, 1)  # (nothing follows it: the engine stalls)
-    assert last == events[-1]
+        [resent] = await _events(again, 1)  # (nothing follows it: the engine stalls)
+    assert resent == events[-1]
     assert engine.aborts == []
 
 
