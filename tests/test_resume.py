@@ -15,6 +15,7 @@ import pytest
 
 from tether_fake_engine import FakeEngine, GenerationState
 
+from .support.canaries import CANARY_SECRET
 from .support.chat import chat_body
 from .support.in_process import TetherFactory, drained, settled
 from .support.metrics import metric
@@ -390,3 +391,40 @@ async def test_a_held_stream_cancelled_by_its_caller_is_aborted_at_once(
     registry = server.context.metrics.registry
     assert metric(registry, "tether_request_outcomes_total", outcome="cancelled") == 1
     assert metric(registry, "tether_streams_held") == 0
+
+
+async def test_a_resume_reaching_another_replica_is_relayed_from_the_one_that_holds_it(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """Two replicas with the fleet settings: the resume reaches the one that does not hold
+    the stream; it asks the other (over the admin API, with the caller's hash) and relays
+    its stream, whole; another caller still gets 404 there."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    holder = await tether(
+        engine_url, admin_token=CANARY_SECRET, replica_name="holder", resume_grace=GRACE
+    )
+    asked = await tether(
+        engine_url,
+        admin_token=CANARY_SECRET,
+        replica_name="asked",
+        resume_grace=GRACE,
+        fleet_peers=(f"127.0.0.1:{holder.admin_port}",),
+    )
+    first = await http.post(
+        f"http://127.0.0.1:{holder.port}/v1/chat/completions",
+        json=chat_body(max_tokens=60),
+        headers={"X-Request-Id": "roamer", **ALICE},
+    )
+    before = await _events(first, 3)
+    first.close()
+    await _held(holder)
+
+    async with await _resume(http, asked.port, "roamer", BOB, _id_of(before[-1])) as refused:
+        assert refused.status == 404
+    async with await _resume(http, asked.port, "roamer", ALICE, _id_of(before[-1])) as again:
+        assert again.status == 200
+        assert again.headers["X-Request-Id"] == "roamer"
+        after = await _events(again)
+    assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(60)]
+    assert after[-1].endswith(b"data: [DONE]\n\n")
+    assert engine.aborts == []

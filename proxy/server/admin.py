@@ -79,6 +79,7 @@ def add_admin_routes(
     app.router.add_get("/admin/requests", list_requests)
     app.router.add_post("/admin/abort", abort_request)
     app.router.add_post("/admin/cancel", cancel_request)
+    app.router.add_post("/admin/resume", resume_request)
 
 
 def _context(request: web.Request) -> ProxyContext:
@@ -158,6 +159,23 @@ async def cancel_request(request: web.Request) -> web.Response:
         return error_response(error)
     done = await request.app[PROXY_APP][CANCEL_ROUTES].cancel_local(request_id, caller)
     return cancel_answer(ctx.fleet, done)
+
+
+async def resume_request(request: web.Request) -> web.StreamResponse:
+    """A resume another replica asks of this one: the caller's held stream with this ID,
+    resumed on this connection (the asking replica relays it to its client)."""
+    ctx = _context(request)
+    try:
+        check_authorised(request, ctx.settings)
+        request_id, caller = await cancel_target(request)
+        last = (await request.json()).get("last_received")
+        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+            raise InvalidAdminBodyError("last_received must be the last event number received")
+    except AdminError as error:
+        return error_response(error)
+    return await request.app[PROXY_APP][CANCEL_ROUTES].resume_local(
+        request, request_id, caller, last
+    )
 
 
 async def sibling_cancel(request: web.Request) -> web.Response:

@@ -52,7 +52,7 @@ from ..request.state import RequestState
 from ..wire.ids import InvalidClientRequestId, check_client_request_id
 from .context import ProxyContext
 from .fleet import PeerCancellation
-from .respond import relay_resumed
+from .respond import relay_peer_stream, relay_resumed
 from .resume import STREAM, last_received
 from .siblings import Siblings
 
@@ -162,22 +162,47 @@ class CancelRoutes:
 
     async def _resume(self, request: web.BaseRequest) -> web.StreamResponse:
         """`GET /v1/requests/{id}/stream`: the caller's held stream, resumed on this
-        connection; one and the same 404 for anything else (as a cancel's)."""
+        connection, from this replica or (with the fleet settings) from the one that holds
+        it; one and the same 404 for anything else (as a cancel's)."""
         request_id = unquote(request.rel_url.raw_path.split("/")[3])
+        caller = self._caller(request)
         try:
             self._check_budget(request)
             after = last_received(request)
-            held = [
-                state
-                for state in self._owned(request_id, self._caller(request))
-                if state.held is not None and state.held.resumable
-            ]
-            if not held:
-                self._failed(request, 1)
-                raise RequestNotFoundError()
-            return await relay_resumed(request, held[-1], self._ctx, after)
+            held = self._held(request_id, caller)
+            if held is not None:
+                return await relay_resumed(request, held, self._ctx, after)
+            fleet = self._ctx.fleet
+            if fleet.configured and self._may_act(caller) and _checked(request_id):
+                peer = await fleet.resume(request_id, caller, after)
+                if peer is not None:
+                    return await relay_peer_stream(request, peer, self._ctx)
+            self._failed(request, 1)
+            raise RequestNotFoundError()
         except TetherError as error:
             return error_response(error)
+
+    async def resume_local(
+        self, request: web.BaseRequest, request_id: str, caller: bytes | None, after: int
+    ) -> web.StreamResponse:
+        """Another replica's resume: the caller's stream held here, resumed on `request`'s
+        connection; 404 when it is not held here."""
+        held = self._held(request_id, caller)
+        try:
+            if held is None:
+                raise RequestNotFoundError()
+            return await relay_resumed(request, held, self._ctx, after)
+        except TetherError as error:
+            return error_response(error)
+
+    def _held(self, request_id: str, caller: bytes | None) -> RequestState | None:
+        """The caller's stream with this ID that may be resumed here (the latest)."""
+        held = [
+            state
+            for state in self._owned(request_id, caller)
+            if state.held is not None and state.held.resumable
+        ]
+        return held[-1] if held else None
 
     async def _cancel_many(self, request: web.BaseRequest) -> web.StreamResponse:
         try:

@@ -1,7 +1,8 @@
-"""Abort by request ID across every replica: a caller knows its own request ID, not which pod
-holds it. The peers are the addresses of a headless Service (every A/AAAA record of
-TETHER_FLEET_DNS) or a static TETHER_FLEET_PEERS list; each gets the same admin abort, with the
-same token, concurrently and with a short timeout. An unreachable peer is listed, never fatal.
+"""Abort, cancel and resume by request ID across every replica: a caller knows its own request
+ID, not which pod holds it. The peers are the addresses of a headless Service (every A/AAAA
+record of TETHER_FLEET_DNS) or a static TETHER_FLEET_PEERS list; each gets the same admin call,
+with the same token, concurrently and with a short timeout. An unreachable peer is listed,
+never fatal.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class Fleet:
         self._cancel_timeout = aiohttp.ClientTimeout(
             total=settings.fleet_timeout + settings.abort_confirm_timeout + 1.0
         )
+        # A resumed stream lasts as long as the answer: only connecting is bounded.
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.fleet_timeout, sock_read=None
+        )
         self._token = settings.admin_token
         self._session = session
         # This replica, told apart from the others in a fan-out (a DNS answer lists it too):
@@ -125,6 +130,42 @@ class Fleet:
         answers = await asyncio.gather(*(self._cancel_on(host, port, body) for host, port in peers))
         held = [answer for answer in answers if answer is not None and answer.cancelled]
         return held[0] if held else None
+
+    async def resume(
+        self, request_id: str, caller: bytes | None, last_received: int
+    ) -> aiohttp.ClientResponse | None:
+        """The caller's held stream with this ID, resumed on the peer that holds it: that
+        peer's answer, open (200: the events to relay; else its refusal), or None when no peer
+        holds it. (Only one can: the rest answer 404, or cannot answer.)"""
+        peers = await self.peers()
+        body = json.dumps(
+            {
+                "request_id": request_id,
+                "caller": caller.hex() if caller is not None else None,
+                "last_received": last_received,
+            }
+        )
+        answers = await asyncio.gather(*(self._resume_on(host, port, body) for host, port in peers))
+        found = [answer for answer in answers if answer is not None]
+        for extra in found[1:]:
+            extra.close()
+        return found[0] if found else None
+
+    async def _resume_on(self, host: str, port: int, body: str) -> aiohttp.ClientResponse | None:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            response = await self._session.post(
+                f"http://{address}/admin/resume",
+                data=body,
+                headers=self._headers(),
+                timeout=self._stream_timeout,
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None  # a replica that cannot answer holds nothing we can resume
+        if response.status in (401, 403, 404):
+            response.release()
+            return None
+        return response
 
     async def _cancel_on(self, host: str, port: int, body: str) -> PeerCancellation | None:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

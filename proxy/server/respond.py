@@ -13,6 +13,7 @@ from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import aiohttp
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
@@ -60,6 +61,9 @@ _STREAM_ONLY_HEADERS = (istr("X-Accel-Buffering"),)
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
+# What a resume relayed from another replica keeps of its head (the rest is hop-by-hop, or
+# that replica's own).
+_RESUMED_HEADERS = (_CONTENT_TYPE, istr("Cache-Control"), istr("X-Accel-Buffering"))
 
 
 async def relay_response(
@@ -228,6 +232,35 @@ async def _relay_stream(
             return response
     await _to_client(response.write_eof())
     return response
+
+
+async def relay_peer_stream(
+    request: web.BaseRequest, peer: aiohttp.ClientResponse, ctx: ProxyContext
+) -> web.StreamResponse:
+    """A resume another replica answered (`fleet.Fleet.resume`): its refusal as it is, or its
+    stream relayed as it comes, cut where it is cut. The client leaving closes the peer's
+    connection, which holds the stream there again."""
+    async with peer:
+        if peer.status != 200:
+            return web.Response(
+                status=peer.status, body=await peer.read(), content_type="application/json"
+            )
+        headers = CIMultiDict[str]()
+        for name in (*_RESUMED_HEADERS, ctx.settings.request_id_header):
+            if name in peer.headers:
+                headers[name] = peer.headers[name]
+        response = web.StreamResponse(status=200, headers=headers)
+        await _to_client(response.prepare(request))
+        try:
+            async for chunk in peer.content.iter_any():
+                await _to_client(response.write(chunk))
+        except aiohttp.ClientError:
+            if request.transport is not None:
+                request.transport.close()  # cut there: cut here
+            return response
+        with contextlib.suppress(ClientGoneError):
+            await _to_client(response.write_eof())
+        return response
 
 
 async def relay_resumed(
