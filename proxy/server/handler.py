@@ -257,6 +257,7 @@ async def _send(
 def _client_gone(ctx: ProxyContext, state: RequestState) -> Ending:
     """The client left before its answer was complete, however that showed: counted, and the
     engine's work for it stopped."""
+    ctx.accounting.connection_cut(state)
     ctx.accounting.client_left(state)
     ctx.aborts.stop_work(state)
     return Ending(Outcome.CLIENT_DISCONNECTED, 499)
