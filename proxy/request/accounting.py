@@ -68,6 +68,7 @@ class Accounting:
         log.info("client_connection_cut", cause=cause.value, age_seconds=round(age, 3))
         if state.span is not None:
             state.span.event("client_connection_cut", cause=cause.value, age_seconds=age)
+            state.span.set(cut_cause=cause.value)
         if cause in FROM_OUTSIDE:
             cluster = self._clusters.add(route, age, cause.value, now)
             if cluster is not None:
@@ -180,6 +181,7 @@ class Accounting:
                 internal_request_id=state.internal_request_id,
                 outcome=outcome.value,
                 tokens_relayed=tokens,
+                cut_cause=error.timeout_setting if error is not None else None,
             )
             span.finish(status, error.message if error is not None else None)
         level = error.log_level if error is not None else logging.INFO
