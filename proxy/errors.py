@@ -15,6 +15,10 @@ from aiohttp import web
 class TetherError(Exception):
     """Root of every error tether raises on purpose."""
 
+    # tether's own timeouts: the setting whose time ran out, as the cut metrics name the
+    # cause (`tether_client_cut_age_seconds{cause}`). None: not one of tether's timeouts.
+    timeout_setting: str | None = None
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
@@ -82,6 +86,8 @@ class RequestBodyTooComplexError(ClientRequestError):
 
 class ClientBodyTimeoutError(ClientRequestError, TimeoutError):
     """The client went silent while sending its body (TETHER_CLIENT_BODY_TIMEOUT)."""
+
+    timeout_setting = "client_body_timeout"
 
 
 class TooManyUploadsError(ClientRequestError):
@@ -202,11 +208,16 @@ class UpstreamUnavailableError(UpstreamError, ConnectionError):
 
 
 class UpstreamConnectTimeoutError(UpstreamError, TimeoutError):
-    pass
+    timeout_setting = "connect_timeout"
 
 
 class RequestTimeoutError(UpstreamError, TimeoutError):
-    """TETHER_REQUEST_TIMEOUT or TETHER_STREAM_IDLE_TIMEOUT elapsed."""
+    """TETHER_REQUEST_TIMEOUT or (with `setting="stream_idle_timeout"`)
+    TETHER_STREAM_IDLE_TIMEOUT elapsed."""
+
+    def __init__(self, message: str, setting: str = "request_timeout") -> None:
+        super().__init__(message)
+        self.timeout_setting = setting
 
 
 class UpstreamBrokenError(UpstreamError, ConnectionError):

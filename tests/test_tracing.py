@@ -92,8 +92,9 @@ async def test_aborted_request_keeps_its_span_with_the_disconnect_and_the_confir
     traced: tuple[InMemorySpanExporter, list[TetherServer]],
 ) -> None:
     """vLLM emits no span for an aborted request; tether's span for it ends once the engine
-    stopped, with `client_disconnected`, `abort_sent` and `abort_confirmed` events and the
-    phase, abort result, engine stop time and tokens after the disconnect."""
+    stopped, with `client_connection_cut`, `client_disconnected`, `abort_sent` and
+    `abort_confirmed` events and the cut's cause, phase, abort result, engine stop time and
+    tokens after the disconnect."""
     _, engine_url = await fake_engine(token_interval=0.01)
     server = await start_traced(traced, engine_url)
     client = await RawClient.connect(server.port)
@@ -105,6 +106,7 @@ async def test_aborted_request_keeps_its_span_with_the_disconnect_and_the_confir
 
     [span] = traced[0].get_finished_spans()
     assert [event.name for event in span.events] == [
+        "client_connection_cut",
         "client_disconnected",
         "abort_sent",
         "abort_confirmed",
@@ -112,6 +114,7 @@ async def test_aborted_request_keeps_its_span_with_the_disconnect_and_the_confir
     values = attributes(span)
     assert values["tether.outcome"] == "client_disconnected"
     assert values["http.response.status_code"] == 499
+    assert values["tether.cut_cause"] == "client_closed"
     assert values["tether.disconnect_phase"] == "streaming"
     assert values["tether.abort_result"] == "confirmed"
     assert values["tether.engine_stop_ms"] >= 0
@@ -216,6 +219,7 @@ async def test_spans_are_exported_over_otlp_http_by_the_real_process(
         [span] = spans()
         assert span.trace_id.hex() == CALLER_TRACE
         assert [event.name for event in span.events] == [
+            "client_connection_cut",
             "client_disconnected",
             "abort_sent",
             "abort_confirmed",

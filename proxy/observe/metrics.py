@@ -31,6 +31,11 @@ KNOWN_ROUTES = GENERATION_ROUTES | PROBE_ROUTES
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Ages at a cut: an edge half a second either side of each idle timeout intermediaries are
+# known to use (Higress 10 s, Envoy 15 s, AWS ALB and nginx 60 s, ...), so a cut by one of
+# them lands in a bucket of its own: (59.5, 60.5] is "cut at 60 s".
+_IDLE_TIMEOUTS = (1, 5, 10, 15, 30, 60, 120, 300, 600)
+_CUT_AGE_BUCKETS = tuple(edge for idle in _IDLE_TIMEOUTS for edge in (idle - 0.5, idle + 0.5))
 
 
 # The `code` label by a status' first digit (1xx to 5xx; aiohttp answers nothing else).
@@ -75,6 +80,28 @@ class Gauge:
 
     def family(self) -> Metric:
         return GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+
+class LabelledGauge:
+    """A gauge with a fixed set of label names; its series by label values, each set as a
+    whole."""
+
+    __slots__ = ("documentation", "labelnames", "name", "values")
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def set(self, value: float, *labels: str) -> None:
+        self.values[labels] = value
+
+    def family(self) -> Metric:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.items():
+            family.add_metric(labels, value)
+        return family
 
 
 class Info:
@@ -151,8 +178,35 @@ class Metrics:
         self.in_flight = Gauge("tether_requests_in_flight", "Requests in flight.")
         self.client_disconnects = Counter(
             "tether_client_disconnects",
-            "Clients that left before their response was complete, by phase.",
+            "Clients that left before their response was complete, and whose engine work "
+            "tether then stopped, by phase (every cut, with its cause: "
+            "tether_client_cut_age_seconds).",
             ("phase",),
+        )
+        self.client_cut_age = Histogram(
+            "tether_client_cut_age_seconds",
+            "Client requests cut before their answer was complete, by route and cause, and "
+            "their age then (from the request's arrival to the moment tether noticed the "
+            "cut): client_closed (FIN), client_reset (RST), keepalive_timeout (TCP keepalive "
+            "probes unanswered), write_failed (tether's write found the connection closing), "
+            "connection_error (any other socket error), or tether's own timeout by its "
+            "setting (request_timeout, stream_idle_timeout, client_body_timeout, "
+            "connect_timeout). Its _count is the number of cuts.",
+            _CUT_AGE_BUCKETS,
+            ("route", "cause"),
+        )
+        self.client_cut_clusters = Counter(
+            "tether_client_cut_clusters",
+            "Times 3 or more cuts of one route (FIN, RST or a failed write, within 10 "
+            "minutes) fell at the same age within half a second: likely an idle timeout in "
+            "front of tether (counted once per route and age in 10 minutes).",
+            ("route",),
+        )
+        self.client_cut_cluster_age = LabelledGauge(
+            "tether_client_cut_cluster_age_seconds",
+            "The age at which the latest cluster of cuts of this route fell "
+            "(tether_client_cut_clusters_total).",
+            ("route",),
         )
         self.upstream_cancels = Counter(
             "tether_upstream_cancellations",
@@ -266,11 +320,14 @@ class Metrics:
         self.streams_held = Gauge(
             "tether_streams_held", "Streams held for a resume now, their client away."
         )
-        self._all: tuple[Counter | Gauge | Info | Histogram, ...] = (
+        self._all: tuple[Counter | Gauge | LabelledGauge | Info | Histogram, ...] = (
             self.requests,
             self.outcomes,
             self.in_flight,
             self.client_disconnects,
+            self.client_cut_age,
+            self.client_cut_clusters,
+            self.client_cut_cluster_age,
             self.upstream_cancels,
             self.aborts,
             self.cancellations,
@@ -333,6 +390,13 @@ class Metrics:
     def record_prompt_tokens(self, route: str, tokens: int) -> None:
         if tokens:
             self.prompt_tokens.inc(route, amount=tokens)
+
+    def record_cut(self, route: str, cause: str, age: float) -> None:
+        self.client_cut_age.observe(age, route, cause)
+
+    def record_cut_cluster(self, route: str, age: float) -> None:
+        self.client_cut_clusters.inc(route)
+        self.client_cut_cluster_age.set(age, route)
 
     def count_abort(self, engine: str, result: str) -> None:
         self.aborts.inc(engine, result)

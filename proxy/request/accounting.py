@@ -2,6 +2,11 @@
 line, the metrics and the span, from the one record the handler leaves (`RequestState` and
 its `Ending`). The handler decides; nothing else in the request's path says what happened.
 
+A client's connection found gone is recorded twice: as a cut when it is noticed
+(`connection_cut`: its cause and the request's age then), and as abandoned once tether stops
+the engine's work for it (`client_left`). tether's own timeouts are cuts too, recorded from
+the request's ending.
+
 A request whose engine work tether is still stopping (an abort waiting to be confirmed) is
 counted when its handler ends, and its line and span follow once the engine's work has
 stopped, with the tokens the engine produced after the client left.
@@ -17,6 +22,8 @@ from collections.abc import Mapping
 import structlog
 
 from ..errors import TetherError, UpstreamError
+from ..observe.cut_clusters import Cluster, CutClusters
+from ..observe.cuts import FROM_OUTSIDE, LostConnections
 from ..observe.metrics import Metrics, route_label
 from ..observe.tracing import Tracer
 from ..outcomes import Outcome
@@ -31,11 +38,15 @@ _UNDECIDED = Ending(Outcome.INTERNAL_ERROR, 500)
 class Accounting:
     """Counts and reports requests: one per app."""
 
-    __slots__ = ("_metrics", "_tracer")
+    __slots__ = ("_clusters", "_metrics", "_tracer", "lost")
 
     def __init__(self, metrics: Metrics, tracer: Tracer | None) -> None:
         self._metrics = metrics
         self._tracer = tracer
+        # Why each client connection was lost, written by the client port's server
+        # (`server.runner.ClientServer`) before it cancels the connection's handler.
+        self.lost = LostConnections()
+        self._clusters = CutClusters()
 
     # --- a request's life ----------------------------------------------------------------------
 
@@ -45,8 +56,41 @@ class Accounting:
             state.span = self._tracer.start(state.method, state.route_label, headers)
         self._metrics.in_flight.value += 1
 
+    def connection_cut(self, state: RequestState) -> None:
+        """The client's connection was found gone before its answer was complete: the cut's
+        cause and the request's age at that moment (seconds since it arrived, to when tether
+        noticed), whatever then becomes of the engine's work."""
+        now = time.monotonic()
+        age = now - state.started_at
+        cause = self.lost.cause(state.connection)
+        route = state.route_label
+        self._metrics.record_cut(route, cause.value, age)
+        log.info("client_connection_cut", cause=cause.value, age_seconds=round(age, 3))
+        if state.span is not None:
+            state.span.event("client_connection_cut", cause=cause.value, age_seconds=age)
+            state.span.set(cut_cause=cause.value)
+        if cause in FROM_OUTSIDE:
+            cluster = self._clusters.add(route, age, cause.value, now)
+            if cluster is not None:
+                self._clustered(cluster)
+
+    def _clustered(self, cluster: Cluster) -> None:
+        """Cuts of one route keep falling at the same age: said once, with its likely cause."""
+        self._metrics.record_cut_cluster(cluster.route, cluster.age)
+        log.warning(
+            "client_cuts_clustered",
+            route=cluster.route,
+            age_seconds=cluster.age,
+            cuts=cluster.cuts,
+            causes=list(cluster.causes),
+            likely_cause=f"something in front of tether cuts streams of {cluster.route} at "
+            f"{cluster.age} s: a load balancer's or gateway's idle timeout? see "
+            "TETHER_SSE_KEEPALIVE",
+        )
+
     def client_left(self, state: RequestState) -> None:
-        """The client left before its response was complete."""
+        """The client left before its response was complete, and tether stops the engine's
+        work for it: abandoned (its cut was recorded when it was noticed, `connection_cut`)."""
         phase = state.phase.value
         self._metrics.client_disconnects.inc(phase)
         log.info("client_disconnected", phase=phase, upstream_contacted=state.upstream_contacted)
@@ -136,6 +180,9 @@ class Accounting:
             metrics.upstream_cancels.inc(outcome.value)
         if isinstance(error, UpstreamError):
             metrics.upstream_errors.inc(error.code)
+        if error is not None and error.timeout_setting is not None:
+            # tether cut the request on a timeout of its own: named by the setting.
+            metrics.record_cut(state.route_label, error.timeout_setting, duration)
         if state.tunnel is not None:
             metrics.record_websocket_session(outcome.value)
         metrics.record_request(
@@ -154,6 +201,7 @@ class Accounting:
                 internal_request_id=state.internal_request_id,
                 outcome=outcome.value,
                 tokens_relayed=tokens,
+                cut_cause=error.timeout_setting if error is not None else None,
             )
             span.finish(status, error.message if error is not None else None)
         level = error.log_level if error is not None else logging.INFO

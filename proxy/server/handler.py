@@ -266,6 +266,8 @@ async def _client_gone(ctx: ProxyContext, state: RequestState) -> Ending:
     """The client left before its answer was complete, however that showed: counted, and the
     engine's work for it stopped, unless its stream is held for a resume that carries it on."""
     held = state.held
+    if held is None or not held.carried:  # (else a resume took it over and closed it)
+        ctx.accounting.connection_cut(state)
     if held is not None and held.resumable and not ctx.readiness.draining:
         ending = await carry_on(ctx, state, held)
         if ending is not None:

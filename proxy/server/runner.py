@@ -9,13 +9,16 @@ import asyncio
 import gc
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from .. import compiled
 from ..faults import Faults
+from ..observe.cuts import LostConnections
 from ..outcomes import Outcome
 from ..settings import Settings
 from .admin import create_admin_app
@@ -96,6 +99,35 @@ def started_facts(settings: Settings) -> dict[str, str]:
     }
 
 
+class ClientServer(web.Server):
+    """aiohttp's server for the client port, which also records why each connection was lost
+    (a FIN, an RST, a keepalive timeout: `observe.cuts`) for as long as its handler runs, so
+    that the request being handled on it can say why its client was cut."""
+
+    def __init__(
+        self,
+        handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+        lost: LostConnections,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, **kwargs)
+        self._lost = lost
+
+    def connection_lost(
+        self, handler: web.RequestHandler, exc: BaseException | None = None
+    ) -> None:
+        # aiohttp calls this first, then cancels the connection's handler task (read here as
+        # aiohttp's own Server reads it, to keep the connection listed until the task ends):
+        # the record is there when the request's handler sees its client gone, and goes
+        # when the handler is done.
+        task = handler._task_handler
+        super().connection_lost(handler, exc)
+        if task is not None and not task.done():
+            lost = self._lost
+            lost.lost(handler, exc)
+            task.add_done_callback(lambda _: lost.forget(handler))
+
+
 class TetherServer:
     """The proxy and admin servers with their lifetimes; `stop()` is the graceful shutdown."""
 
@@ -140,8 +172,9 @@ class TetherServer:
         await self.app.startup()
         self.app.freeze()
         self._proxy_runner = web.ServerRunner(
-            web.Server(
+            ClientServer(
                 client_port_handler(self.app),
+                self.context.accounting.lost,
                 # A client that leaves cancels its handler at once, in every phase.
                 handler_cancellation=True,
                 # aiohttp closes a connection that has no complete request head this long

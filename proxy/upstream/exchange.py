@@ -249,7 +249,8 @@ class UpstreamExchange:
                     raise SinkClosedError("the response body's sink stopped taking bytes")
                 if self._silent_too_long:
                     raise RequestTimeoutError(
-                        f"the engine sent nothing for TETHER_STREAM_IDLE_TIMEOUT={idle_timeout}s"
+                        f"the engine sent nothing for TETHER_STREAM_IDLE_TIMEOUT={idle_timeout}s",
+                        setting="stream_idle_timeout",
                     )
                 await self._next_event()
         finally:

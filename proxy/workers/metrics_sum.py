@@ -2,7 +2,8 @@
 
 Samples of the same name and labels add up (counters, histogram buckets, sums and counts,
 gauges that count, like requests in flight); a gauge that is a state is the minimum over the
-workers instead (`tether_upstream_ready` is 1 only if every worker's engine check passes).
+workers instead (`tether_upstream_ready` is 1 only if every worker's engine check passes),
+and one that is a measurement the largest (the age of a cluster of cuts one worker saw).
 A worker that exits takes its counts with it; the supervisor keeps them as of its last scrape
 (`cumulative`, added as `retired`) so the sums never go down, which Prometheus would read
 as a counter reset.
@@ -17,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # Gauges whose value is a state (1 or 0) of each worker, not a count.
 STATE_GAUGES = frozenset({"tether_upstream_ready", "tether_engine_info"})
+# Gauges whose value is something each worker measured: summed it would mean nothing.
+MEASURED_GAUGES = frozenset({"tether_client_cut_cluster_age_seconds"})
 
 _SampleKey = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -38,6 +41,8 @@ class Family:
             self.samples[key] = value
         elif self.name in STATE_GAUGES:
             self.samples[key] = min(known, value)
+        elif self.name in MEASURED_GAUGES:
+            self.samples[key] = max(known, value)
         else:
             self.samples[key] = known + value
 
