@@ -73,6 +73,13 @@ NGINX_READ_TIMEOUT = 1.5
 SILENCE = 2.5
 
 
+def _silent_first(where: str) -> dict[str, Any]:
+    """A stream of 5 tokens whose engine is silent for SILENCE before its head or after it."""
+    if where == "before_head":
+        return chat_body(max_tokens=5, head_after=SILENCE)
+    return chat_body(max_tokens=5, prefill=SILENCE)
+
+
 @pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed")
 @pytest.mark.parametrize("where", ["before_head", "after_head"])
 async def test_a_stream_silent_longer_than_nginx_allows_arrives_whole_with_keepalive(
@@ -83,9 +90,8 @@ async def test_a_stream_silent_longer_than_nginx_allows_arrives_whole_with_keepa
     the client whole: every token, then [DONE]."""
     _, engine_url = await fake_engine()
     server = await tether(engine_url, engine="vllm", sse_keepalive=KEEPALIVE)
-    knob = "head_after" if where == "before_head" else "prefill"
     async with nginx_in_front_of(server.port, read_timeout=NGINX_READ_TIMEOUT) as port:
-        reply = await _stream(port, chat_body(max_tokens=5, **{knob: SILENCE}))
+        reply = await _stream(port, _silent_first(where))
 
     assert reply.status == 200
     assert _text(reply.body) == " tok0 tok1 tok2 tok3 tok4"
@@ -102,10 +108,9 @@ async def test_without_keepalive_nginx_cuts_the_silent_stream(
     504 before the engine's head, with a cut stream after it."""
     _, engine_url = await fake_engine()
     server = await tether(engine_url, engine="vllm")
-    knob = "head_after" if where == "before_head" else "prefill"
     async with nginx_in_front_of(server.port, read_timeout=NGINX_READ_TIMEOUT) as port:
         client = await RawClient.connect(port)
-        await client.send_request(chat_body(max_tokens=5, **{knob: SILENCE}))
+        await client.send_request(_silent_first(where))
         if where == "before_head":
             reply = await client.read_reply(timeout=10)
             assert reply.status == 504
@@ -430,7 +435,7 @@ async def test_the_openai_sdk_reads_a_kept_alive_stream_unchanged(
     assert await _sdk_text(kept, **silences) == await _sdk_text(plain, **silences)
     assert await _sdk_text(kept, **silences) == " tok0 tok1 tok2 tok3 tok4"
     # (the stream it read had comments before and after the engine's head)
-    raw = _events((await _stream(kept.port, chat_body(**silences))).body)
+    raw = _events((await _stream(kept.port, chat_body(head_after=0.5, prefill=0.5))).body)
     first_event = next(i for i, block in enumerate(raw) if block.startswith(b"data: "))
     assert raw[0] == COMMENT.strip() and raw[first_event - 1] == COMMENT.strip()
 
