@@ -9,9 +9,10 @@ import subprocess
 import textwrap
 
 from ..support.raw_http import RawExchange
+from ..support.real_engine.stacks import MODEL_NAME
 from ..support.real_engine.tether import start_tether
 from .processes import EngineInstall, Stack
-from .scenarios import CHAT_PATH, MODEL_NAME, on_default
+from .scenarios import CHAT_PATH, on_default
 
 # A long prompt (about 1,400 of the tiny model's tokens; its context is 2,048): tokenizing and
 # prefilling it on one CPU core is a silence of 100 ms or more, many keep-alive intervals.
