@@ -158,7 +158,24 @@ class Settings(EngineSettings, _SettingsHead):
         None, description="Seconds a whole request may take; unset means no limit."
     )
     stream_idle_timeout: Seconds | None = Field(
-        None, description="Seconds of upstream silence allowed mid-response; unset: no limit."
+        None,
+        description="Seconds of upstream silence allowed mid-response (reset by every byte the "
+        "engine sends; apart from TETHER_REQUEST_TIMEOUT, so a long stream that keeps sending "
+        "is never cut by it); unset: no limit.",
+    )
+    sse_keepalive: Seconds | None = Field(
+        None,
+        description="Seconds of silence after which tether writes an SSE comment line "
+        "(': keep-alive') to a client whose generation request asked to stream, so that load "
+        "balancers that cut idle connections (AWS ALB 60 s, Envoy 15 s, nginx "
+        "proxy_read_timeout) keep its stream. Before the engine's response head this starts "
+        "the client's 200 text/event-stream early: an engine error then arrives as one error "
+        "event (see Streams through load balancers). Unset: off.",
+    )
+    sse_keepalive_skip_paths: Annotated[tuple[str, ...], NoDecode] = Field(
+        (),
+        description="Comma-separated paths (whole segments) whose streams get no SSE "
+        "keep-alive (for clients that must see the engine's HTTP status).",
     )
     resume_grace: Seconds | None = Field(
         None,
@@ -385,7 +402,9 @@ class Settings(EngineSettings, _SettingsHead):
             raise ValueError("must start with /")
         return value
 
-    @field_validator("blocked_paths", "allowed_paths", "fleet_peers", mode="before")
+    @field_validator(
+        "blocked_paths", "allowed_paths", "sse_keepalive_skip_paths", "fleet_peers", mode="before"
+    )
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -401,10 +420,12 @@ class Settings(EngineSettings, _SettingsHead):
             raise ValueError("must name at least one path; leave it unset for the default")
         if value == (ALLOW_PUBLIC,):
             return value
-        for path in value:
-            if not path.startswith("/"):
-                raise ValueError(f"{path!r} must start with / (or the whole value be public)")
-        return tuple(path.rstrip("/").lower() or "/" for path in value)
+        return _normalised_paths(value, "(or the whole value be public)")
+
+    @field_validator("sse_keepalive_skip_paths")
+    @classmethod
+    def _are_skipped_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _normalised_paths(value)
 
     def secret_values(self) -> tuple[str, ...]:
         """The configured credentials, which must never appear in a log line."""
@@ -461,6 +482,15 @@ class Settings(EngineSettings, _SettingsHead):
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
         return self
+
+
+def _normalised_paths(paths: tuple[str, ...], otherwise: str = "") -> tuple[str, ...]:
+    """Paths as `wire.routes` matches them (lower case, no trailing slash); each must be
+    absolute."""
+    for path in paths:
+        if not path.startswith("/"):
+            raise ValueError(f"{path!r} must start with / {otherwise}".rstrip())
+    return tuple(path.rstrip("/").lower() or "/" for path in paths)
 
 
 def _addresses_overlap(host: str, other: str) -> bool:

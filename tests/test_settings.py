@@ -102,6 +102,15 @@ from .support.settings import make_settings
             "TETHER_RESUME_BUFFER must not exceed TETHER_RESUME_BUFFER_TOTAL",
         ),
         ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_RESUME_GRACE": "0"}, "TETHER_RESUME_GRACE"),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_SSE_KEEPALIVE": "0"}, "TETHER_SSE_KEEPALIVE"),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_SSE_KEEPALIVE": "often"},
+            "TETHER_SSE_KEEPALIVE",
+        ),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_SSE_KEEPALIVE_SKIP_PATHS": "v1/chat"},
+            "TETHER_SSE_KEEPALIVE_SKIP_PATHS",
+        ),
     ],
 )
 def test_bad_setting_exits_2_naming_the_variable(
@@ -134,6 +143,15 @@ def test_defaults_match_the_documented_ones() -> None:
     assert settings.request_timeout is None and settings.stream_idle_timeout is None
     assert settings.blocked_paths is None  # the engine's own list (test_control_routes.py)
     assert settings.allowed_paths is None
+    assert settings.sse_keepalive is None and settings.sse_keepalive_skip_paths == ()
+
+
+@pytest.mark.socket_free
+def test_keepalive_skip_paths_are_read_as_the_allowlist_is() -> None:
+    """TETHER_SSE_KEEPALIVE_SKIP_PATHS: comma-separated, spaces and trailing slashes ignored,
+    matched in lower case (as `wire.routes` matches paths)."""
+    settings = make_settings(sse_keepalive_skip_paths=" /v1/Completions/ , /v1/responses")
+    assert settings.sse_keepalive_skip_paths == ("/v1/completions", "/v1/responses")
 
 
 @pytest.mark.socket_free

@@ -19,7 +19,11 @@ engine saw and when.
 With `abort_route="llamacpp"` it plays llama.cpp's server instead (see `AbortRoute`).
 
 Per-request knobs ride in the JSON body, which real engines would ignore:
-`"fake": {"token_interval": s, "prefill": s, "fail_after": n, "stall_after": n}`.
+`"fake": {"token_interval": s, "prefill": s, "fail_after": n, "stall_after": n,
+"head_after": s, "answer_status": n}`: `prefill` is the silence after a stream's head before
+its first event, `head_after` the silence before its head (a queue, a proxy that buffers),
+and `answer_status` answers that status with vLLM's error body (after `head_after`) instead of
+generating.
 """
 
 from __future__ import annotations
@@ -344,6 +348,10 @@ class FakeEngine:
         )
         payload: dict[str, Any] = json.loads(body) if body else {}
         knobs = payload.get("fake", {})
+        answer_status = knobs.get("answer_status")
+        if answer_status is not None:
+            await asyncio.sleep(float(knobs.get("head_after", 0.0)))
+            return self._error(int(answer_status))
         generation = self._new_generation(request, body, payload, knobs)
         generation.process = self.process_of(request)
         running = self.generations.get(generation.request_id)
@@ -383,6 +391,17 @@ class FakeEngine:
                 generation.end(GenerationState.ABORTED)
             await self._notify()
             raise
+
+    @staticmethod
+    def _error(status: int) -> web.Response:
+        """vLLM's error answer (`ErrorResponse`), as it refuses a request it cannot serve."""
+        error = {
+            "message": f"the fake engine answers {status}",
+            "type": "BadRequestError" if status < 500 else "InternalServerError",
+            "param": None,
+            "code": status,
+        }
+        return web.json_response({"error": error}, status=status)
 
     def _new_generation(
         self, request: web.Request, body: bytes, payload: dict[str, Any], knobs: dict[str, Any]
@@ -474,6 +493,7 @@ class FakeEngine:
         payload: dict[str, Any],
         knobs: dict[str, Any],
     ) -> web.StreamResponse:
+        await asyncio.sleep(float(knobs.get("head_after", 0.0)))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         fail_after = knobs.get("fail_after")

@@ -49,7 +49,16 @@ from ..upstream.exchange import SinkClosedError, UpstreamExchange
 from ..wire.headers import client_head_size, upstream_request_headers
 from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .context import ProxyContext
-from .respond import answer_failure, end_stream, reject, relay_response, response_started
+from .early_commit import keepalive_for, relay_kept_alive
+from .respond import (
+    answer_failure,
+    began_early_without_events,
+    end_stream,
+    reject,
+    relay_response,
+    reported_status,
+    response_started,
+)
 from .resume import carry_on
 
 _CONTENT_LENGTH = istr("Content-Length")
@@ -117,7 +126,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
                 f"the request took longer than TETHER_REQUEST_TIMEOUT={settings.request_timeout}s"
             ) from exc
         # 4. Completed: the engine's answer, whatever its status, went to the client in full.
-        state.ending = Ending(Outcome.COMPLETED, response.status)
+        state.ending = Ending(Outcome.COMPLETED, reported_status(response))
         return response
     except asyncio.CancelledError:
         # 5a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
@@ -132,6 +141,14 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
             assert state.client_response is not None
             return state.client_response
         ctx.aborts.stop_work(state)
+        if began_early_without_events(state):
+            # (a stream tether began itself before the engine answered: its one event says so)
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            stopped = _stopped_by_tether(outcome)
+            response, state.ending = answer_failure(
+                request, state, Ending(outcome, stopped.status, stopped), settings.request_id_header
+            )
+            return response
         sent = response_started(state)
         if sent is not None:  # cut mid-response: the status it started with stands
             state.ending = Ending(outcome, sent.status)
@@ -192,6 +209,9 @@ async def _forward(
 ) -> web.StreamResponse:
     upstream = await _send(request, state, ctx)
     state.phase = Phase.WAITING
+    keepalive = keepalive_for(request, state, ctx.settings)
+    if keepalive is not None:
+        return await relay_kept_alive(request, upstream, state, ctx, keepalive)
     head = await upstream.wait_head()
     return await relay_response(request, head, state, ctx)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import aiohttp
@@ -35,7 +35,9 @@ from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, ClientFrames
 from ..upstream.connection import ResponseHead
 from ..upstream.relay import ResponseRelay
+from ..upstream.stream_keepalive import KEEPALIVE_COMMENT, StreamKeepAlive
 from ..wire.answer_assembly import AnswerAssembler
+from ..wire.error_events import engine_error, error_event
 from ..wire.event_log import EventLog
 from ..wire.headers import client_response_headers
 from ..wire.ids import (
@@ -53,6 +55,8 @@ _T = TypeVar("_T")
 
 _CONTENT_ENCODING = istr("Content-Encoding")
 _CONTENT_TYPE = istr("Content-Type")
+_CACHE_CONTROL = istr("Cache-Control")
+_ACCEL_BUFFERING = istr("X-Accel-Buffering")
 # Response bodies in which the internal ID is replaced by the client's.
 _MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
 # What llama-server's non-streaming answers carry, and what only its streams do.
@@ -64,19 +68,48 @@ _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
 # What a resume relayed from another replica keeps of its head (the rest is hop-by-hop, or
 # that replica's own).
 _RESUMED_HEADERS = (_CONTENT_TYPE, istr("Cache-Control"), istr("X-Accel-Buffering"))
+# Of an engine's answer that cannot follow a stream begun early (an error), this much is read
+# for the error event; the rest is read and dropped.
+_MAX_ERROR_BODY = 64 * 1024
+
+
+@dataclass(slots=True)
+class _EarlyStart:
+    """A client's stream begun before the engine answered (SSE keep-alive): how it is framed,
+    and the engine's status once its head came (0 before), which the request is reported
+    with (its client's 200 says nothing of the engine's answer)."""
+
+    chunked: bool
+    engine_status: int = 0
+
+
+_EARLY_START = web.ResponseKey("tether_early_start", _EarlyStart)
 
 
 async def relay_response(
-    request: web.BaseRequest, head: ResponseHead, state: RequestState, ctx: ProxyContext
+    request: web.BaseRequest,
+    head: ResponseHead,
+    state: RequestState,
+    ctx: ProxyContext,
+    *,
+    keepalive: float | None = None,
+    committed: web.StreamResponse | None = None,
+    quiet_for: float = 0.0,
 ) -> web.StreamResponse:
     """The engine's response to the client: its head, then its body as the engine sends it,
-    IDs mapped back and tokens counted on the way."""
+    IDs mapped back and tokens counted on the way. With `keepalive` (seconds) a stream gets
+    keep-alive comments while the engine is silent; `committed` is the client's stream begun
+    before the engine answered (`commit_stream`), last written `quiet_for` seconds ago."""
     assert state.upstream is not None
     if head.status == 101:  # only ever accepted for a WebSocket handshake
         return await _relay_websocket(request, head, state, ctx)
     mapper = _id_mapper(head, state)
     tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
     sse = _is_sse(head)
+    if committed is not None:
+        committed[_EARLY_START].engine_status = head.status
+        if head.status != 200 or not sse:
+            return await _answer_in_stream(head, state, ctx, committed, mapper)
     if state.body.assembled and head.status == 200 and sse:
         return await _relay_assembled(request, head, state, ctx, tokens, mapper)
     usage = (
@@ -85,12 +118,27 @@ async def relay_response(
         else None
     )
     length = head.content_length
-    if mapper is not None and length is not None and length <= _MAX_BUFFERED_RESPONSE:
+    if (
+        mapper is not None
+        and length is not None
+        and length <= _MAX_BUFFERED_RESPONSE
+        and committed is None
+    ):
         state.relay = ResponseRelay(state.upstream, tokens, mapper, usage)
         return await _relay_whole(request, head, state, ctx)
     events = _resumable_events(head, state, ctx, sse=sse)
     state.relay = ResponseRelay(state.upstream, tokens, mapper, usage, events=events)
-    return await _relay_stream(request, head, state, ctx, rewritten=mapper is not None, sse=sse)
+    return await _relay_stream(
+        request,
+        head,
+        state,
+        ctx,
+        rewritten=mapper is not None,
+        sse=sse,
+        committed=committed,
+        keepalive=keepalive,
+        first_check=max(keepalive - quiet_for, 0.0) if keepalive is not None else 0.0,
+    )
 
 
 def _resumable_events(
@@ -200,15 +248,21 @@ async def _relay_stream(
     *,
     rewritten: bool,
     sse: bool,
+    committed: web.StreamResponse | None = None,
+    keepalive: float | None = None,
+    first_check: float = 0.0,
 ) -> web.StreamResponse:
     """Relay the body to the client as it arrives, from the upstream protocol straight into
-    the client's socket; this coroutine only waits for the end."""
+    the client's socket; this coroutine only waits for the end. A stream begun early
+    (`committed`) goes on in the response already started."""
     assert state.upstream is not None and state.relay is not None
-    headers = _client_headers(head, state, ctx, rewritten=rewritten)
-    response = web.StreamResponse(status=head.status, reason=head.reason, headers=headers)
-    if ctx.readiness.draining:
-        response.force_close()
-    state.client_response = response
+    response = committed
+    if response is None:
+        headers = _client_headers(head, state, ctx, rewritten=rewritten)
+        response = web.StreamResponse(status=head.status, reason=head.reason, headers=headers)
+        if ctx.readiness.draining:
+            response.force_close()
+        state.client_response = response
     writer = await _to_client(response.prepare(request))
     transport = request.transport
     if writer is None or transport is None or transport.is_closing():
@@ -217,8 +271,17 @@ async def _relay_stream(
     if state.relay.resumable:
         state.held = HeldStream(state.relay, state.upstream, transport)
     state.phase = Phase.STREAMING
-    state.upstream.attach(state.relay)
-    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    keeping_alive = (
+        StreamKeepAlive(state.relay, keepalive, first_check=first_check)
+        if keepalive is not None and sse
+        else None
+    )
+    try:
+        state.upstream.attach(state.relay)
+        await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    finally:
+        if keeping_alive is not None:
+            keeping_alive.stop()
     if ctx.faults is not None:
         ctx.faults.at(STREAM_END)
     state.relay.finish()
@@ -323,6 +386,115 @@ def _refuse_cut_session(state: RequestState, *, sse: bool) -> None:
         )
 
 
+# --- a stream begun before the engine answered (SSE keep-alive, `early_commit`) ------------
+
+
+async def commit_stream(
+    request: web.BaseRequest, state: RequestState, ctx: ProxyContext
+) -> web.StreamResponse:
+    """Start the client's stream before the engine answered: `200 text/event-stream`,
+    unbuffered, with the client's ID, and its first keep-alive comment. Whatever the engine
+    then answers follows in it (`relay_response` with `committed`)."""
+    response = web.StreamResponse(
+        status=200,
+        headers={
+            _CONTENT_TYPE: "text/event-stream",
+            _CACHE_CONTROL: "no-cache",
+            _ACCEL_BUFFERING: "no",
+            ctx.settings.request_id_header: state.client_request_id,
+        },
+    )
+    if ctx.readiness.draining:
+        response.force_close()
+    state.client_response = response
+    writer = await _to_client(response.prepare(request))
+    if writer is None:
+        raise ClientGoneError("the client left before the response started")
+    response[_EARLY_START] = _EarlyStart(chunked=_is_chunked(writer))
+    await write_comment(response)
+    return response
+
+
+async def write_comment(response: web.StreamResponse) -> None:
+    """A keep-alive comment in a stream begun early, while the engine has not answered."""
+    await _to_client(response.write(KEEPALIVE_COMMENT))
+
+
+async def _answer_in_stream(
+    head: ResponseHead,
+    state: RequestState,
+    ctx: ProxyContext,
+    committed: web.StreamResponse,
+    mapper: IdMapper | None,
+) -> web.StreamResponse:
+    """The engine answered a stream begun early with something other than a stream (an
+    error, mostly): it goes to the client as the stream's one event, `data: {"error": ...}`,
+    and the stream ends cleanly."""
+    assert state.upstream is not None
+    body = _BoundedBody(_MAX_ERROR_BODY)
+    state.upstream.attach(body)
+    await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    document = body.take()
+    if mapper is not None:
+        document = mapper.feed(document) + mapper.flush()
+    await _to_client(committed.write(error_event(engine_error(head.status, document))))
+    await _to_client(committed.write_eof())
+    return committed
+
+
+class _BoundedBody:
+    """A response body's first `limit` bytes; the rest is read and dropped."""
+
+    __slots__ = ("_chunks", "_room")
+
+    def __init__(self, limit: int) -> None:
+        self._chunks: list[bytes] = []
+        self._room = limit
+
+    def feed(self, chunk: bytes) -> None:
+        if self._room > 0:
+            kept = chunk[: self._room]
+            self._chunks.append(kept)
+            self._room -= len(kept)
+
+    def take(self) -> bytes:
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        return body
+
+
+def _error_in_early_stream(
+    request: web.BaseRequest, state: RequestState, response: web.StreamResponse, error: TetherError
+) -> bool:
+    """tether failed after it began the client's stream early, before any of the engine's
+    stream went into it (the engine unreachable, a timeout, a bug): the error goes out as the
+    stream's one event, then its end, written at once (never a cut stream). False where the
+    stream did not begin early, or the engine's events already flow in it."""
+    early = response.get(_EARLY_START)
+    transport = request.transport
+    relayed = state.relay is not None and state.relay.bytes_out > 0
+    if early is None or relayed or transport is None or transport.is_closing():
+        return False
+    event = error_event(error.body())
+    transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(event), event) if early.chunked else event)
+    return True
+
+
+def began_early_without_events(state: RequestState) -> bool:
+    """Its client's stream began before the engine answered (SSE keep-alive), and none of the
+    engine's events went into it yet: an error can still go out as its one event."""
+    sent = response_started(state)
+    relayed = state.relay is not None and state.relay.bytes_out > 0
+    return sent is not None and sent.get(_EARLY_START) is not None and not relayed
+
+
+def reported_status(response: web.StreamResponse) -> int:
+    """The status a completed request is reported with: the engine's, also where its client's
+    stream began before the engine answered (with a 200 of tether's)."""
+    early = response.get(_EARLY_START)
+    return early.engine_status if early is not None and early.engine_status else response.status
+
+
 async def _relay_websocket(
     request: web.BaseRequest, head: ResponseHead, state: RequestState, ctx: ProxyContext
 ) -> web.StreamResponse:
@@ -413,10 +585,13 @@ def answer_failure(
     assert ending.error is not None
     sent = response_started(state)
     if sent is not None:
+        told = _error_in_early_stream(request, state, sent, ending.error)
         # Closing the transport makes aiohttp's final `write_eof` fail instead of sending the
         # last chunk; the bytes already written are still flushed.
         if request.transport is not None:
             request.transport.close()
+        if told:  # reported as it would be without keep-alive: the client has the error
+            return sent, ending
         return sent, replace(ending, status=sent.status)
     return error_response(ending.error, request_id_header, state.client_request_id), ending
 

@@ -345,6 +345,29 @@ class ResponseRelay:
     def relaying(self) -> bool:
         return self._mode is _Mode.CLIENT
 
+    # --- keep-alive comments (`stream_keepalive`) ------------------------------------------
+
+    def write_between_events(self, comment: bytes) -> bool:
+        """`comment` (a whole SSE comment) to the client, framed as every write is, where its
+        stream stands between two events: nothing written yet, or what was written last ended
+        an event. Bytes the ID mapper or the usage filter hold back come after what was
+        written, so the comment never splits an event. Nothing is written (False) where the
+        stream is inside an event, is not relayed to the client (any other mode), or has bytes
+        waiting in the socket's buffer (the client is not idle: it is slow). Neither body
+        bytes nor an event: `bytes_out` and `sse_events` count the engine's."""
+        transport = self._transport
+        if (
+            self._mode is not _Mode.CLIENT
+            or not self._is_sse
+            or transport is None
+            or transport.is_closing()
+            or transport.get_write_buffer_size() > 0
+            or (self.bytes_out > 0 and _event_end(b"", self._last_written) != 0)
+        ):
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(comment), comment) if self._chunked else comment)
+        return True
+
 
 def _event_end(chunk: bytes, before: bytes) -> int:
     """Where the first server-sent event ending in `chunk` ends (the length of `chunk` up to

@@ -39,7 +39,7 @@ http {{
             proxy_set_header Connection "";
             proxy_buffering off;
             proxy_request_buffering off;
-            proxy_read_timeout 60s;
+            proxy_read_timeout {read_timeout_ms}ms;
         }}
     }}
 }}
@@ -55,14 +55,23 @@ def nginx_binary() -> str | None:
 
 
 @asynccontextmanager
-async def nginx_in_front_of(engine_port: int) -> AsyncIterator[int]:
-    """nginx proxying to the engine on loopback; yields the port clients connect to."""
+async def nginx_in_front_of(engine_port: int, *, read_timeout: float = 60.0) -> AsyncIterator[int]:
+    """nginx proxying to the engine (or tether) on loopback; yields the port clients connect
+    to. `read_timeout`: its `proxy_read_timeout`, the longest silence between two reads of
+    the upstream's response before nginx cuts it (an idle-cutting load balancer)."""
     binary = nginx_binary()
     assert binary is not None, "nginx is not installed"
     with tempfile.TemporaryDirectory(prefix="tether-nginx-") as tmp:
         port = free_port()
         conf = Path(tmp) / "nginx.conf"
-        conf.write_text(_CONF.format(tmp=tmp, engine_port=engine_port, port=port))
+        conf.write_text(
+            _CONF.format(
+                tmp=tmp,
+                engine_port=engine_port,
+                port=port,
+                read_timeout_ms=round(read_timeout * 1000),
+            )
+        )
         process = await asyncio.create_subprocess_exec(
             binary,
             "-c",
