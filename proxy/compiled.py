@@ -36,6 +36,7 @@ COMPILED_MODULES = (
     "proxy.wire.json_members",
     "proxy.wire.tokens",
     "proxy.wire.usage_events",
+    "proxy.wire.event_log",
     "proxy.wire.headers",
     "proxy.request.accounting",
     "proxy.request.registry",
