@@ -428,3 +428,27 @@ async def test_a_resume_reaching_another_replica_is_relayed_from_the_one_that_ho
     assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(60)]
     assert after[-1].endswith(b"data: [DONE]\n\n")
     assert engine.aborts == []
+
+
+async def test_a_resumed_stream_keeps_its_keepalive_comments(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """With TETHER_SSE_KEEPALIVE too, the resume's connection gets comments while the engine
+    is silent (it passes the same load balancers), never counted as events: the tokens still
+    make the whole answer."""
+    keepalive = 0.25
+    _, engine_url = await fake_engine(token_interval=4 * keepalive)
+    server = await tether(engine_url, resume_grace=GRACE, sse_keepalive=keepalive)
+    first = await http.post(
+        f"http://127.0.0.1:{server.port}/v1/chat/completions",
+        json=chat_body(max_tokens=4),
+        headers={"X-Request-Id": "quiet", **ALICE},
+    )
+    before = await _events(first, 2)
+    first.close()
+    await _held(server)
+    last = max(_id_of(event) for event in before if event.startswith(b"id: "))
+    async with await _resume(http, server.port, "quiet", ALICE, last) as again:
+        after = await _events(again)
+    assert b": keep-alive\n\n" in after
+    assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(4)]

@@ -40,12 +40,28 @@ class Resumer:
 class HeldStream:
     """One resumable stream: the connection it is written to, and the wait for a resume."""
 
-    __slots__ = ("_exchange", "_waiter", "ended", "first", "relay", "resumes", "sink")
+    __slots__ = (
+        "_exchange",
+        "_waiter",
+        "ended",
+        "first",
+        "keepalive",
+        "relay",
+        "resumes",
+        "sink",
+    )
 
     def __init__(
-        self, relay: ResponseRelay, exchange: UpstreamExchange, first: asyncio.Transport
+        self,
+        relay: ResponseRelay,
+        exchange: UpstreamExchange,
+        first: asyncio.Transport,
+        keepalive: float | None,
     ) -> None:
         self.relay = relay
+        # Its SSE keep-alive interval (TETHER_SSE_KEEPALIVE), kept on the connections that
+        # resume it: they pass the same load balancers.
+        self.keepalive = keepalive
         self._exchange = exchange
         self.first: asyncio.Transport | None = first  # the request's own connection, until left
         # The resume carrying it now; None: its own connection does, or nobody (held).

@@ -269,7 +269,7 @@ async def _relay_stream(
         raise ClientGoneError("the client left before the response started")
     state.relay.to_client(transport, writer, chunked=_is_chunked(writer), is_sse=sse)
     if state.relay.resumable:
-        state.held = HeldStream(state.relay, state.upstream, transport)
+        state.held = HeldStream(state.relay, state.upstream, transport, keepalive if sse else None)
     state.phase = Phase.STREAMING
     keeping_alive = (
         StreamKeepAlive(state.relay, keepalive, first_check=first_check)

@@ -23,6 +23,7 @@ from ..outcomes import Outcome
 from ..request.held_stream import HeldStream
 from ..request.state import Ending, RequestState
 from ..upstream.exchange import SinkClosedError
+from ..upstream.stream_keepalive import StreamKeepAlive
 from .context import ProxyContext
 
 STREAM = "stream"
@@ -53,7 +54,7 @@ async def carry_on(ctx: ProxyContext, state: RequestState, held: HeldStream) -> 
                         return None
                     held_until = None
                     ctx.accounting.stream_resumed(state)
-                await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+                await _carried_to_end(ctx, state, held)
             except SinkClosedError:
                 held.sink_lost()  # the resume's connection dropped too: held again
                 continue
@@ -78,6 +79,21 @@ async def carry_on(ctx: ProxyContext, state: RequestState, held: HeldStream) -> 
     finally:
         if held_until is not None:  # it ended held, with no resume
             ctx.accounting.stream_not_resumed(state)
+
+
+async def _carried_to_end(ctx: ProxyContext, state: RequestState, held: HeldStream) -> None:
+    """Until the engine's response ended, its events going to the resume that carries it
+    (with keep-alive comments where the stream had them)."""
+    assert state.upstream is not None and state.relay is not None
+    seconds = held.keepalive
+    keeping_alive = (
+        StreamKeepAlive(state.relay, seconds, first_check=seconds) if seconds is not None else None
+    )
+    try:
+        await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+    finally:
+        if keeping_alive is not None:
+            keeping_alive.stop()
 
 
 def last_received(request: web.BaseRequest) -> int:
