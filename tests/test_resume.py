@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from tether_fake_engine import FakeEngine, GenerationState
@@ -452,3 +453,30 @@ async def test_a_resumed_stream_keeps_its_keepalive_comments(
         after = await _events(again)
     assert b": keep-alive\n\n" in after
     assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(4)]
+
+
+async def test_the_openai_sdk_reads_a_numbered_stream_unchanged(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """The `id:` lines resume adds are SSE fields the openai SDK reads past: its chunks and
+    text are those of the same stream without them."""
+    _, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    plain = await tether(engine_url)
+    numbered = await tether(engine_url, resume_grace=GRACE)
+
+    async def text_through(server: Any) -> str:
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=20
+        )
+        async with client:
+            stream = await client.chat.completions.create(
+                model="fake",
+                messages=[{"role": "user", "content": "hello"}],
+                stream=True,
+                max_tokens=8,
+            )
+            return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
+
+    text = await text_through(numbered)
+    assert text == await text_through(plain)
+    assert text == "".join(f" tok{i}" for i in range(8))
