@@ -491,8 +491,10 @@ def began_early_without_events(state: RequestState) -> bool:
 def reported_status(response: web.StreamResponse) -> int:
     """The status a completed request is reported with: the engine's, also where its client's
     stream began before the engine answered (with a 200 of tether's)."""
-    early = response.get(_EARLY_START)
-    return early.engine_status if early is not None and early.engine_status else response.status
+    # (typed here: where mypyc compiles this, aiohttp's own types are unknown)
+    early: _EarlyStart | None = response.get(_EARLY_START)
+    status: int = response.status
+    return early.engine_status if early is not None and early.engine_status else status
 
 
 async def _relay_websocket(
