@@ -480,3 +480,29 @@ async def test_the_openai_sdk_reads_a_numbered_stream_unchanged(
     text = await text_through(numbered)
     assert text == await text_through(plain)
     assert text == "".join(f" tok{i}" for i in range(8))
+
+
+async def test_a_resumed_stream_is_still_bounded_by_the_whole_request_timeout(
+    fake_engine: FakeEngineFactory, tether: TetherFactory, http: aiohttp.ClientSession
+) -> None:
+    """TETHER_REQUEST_TIMEOUT counts from the request's start, resumes included: the resumed
+    stream is cut when it passes, and the engine's work is stopped."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    server = await tether(engine_url, resume_grace=GRACE, request_timeout=1.5)
+    first = await http.post(
+        f"http://127.0.0.1:{server.port}/v1/chat/completions",
+        json=chat_body(max_tokens=100_000),
+        headers={"X-Request-Id": "bounded", **ALICE},
+    )
+    before = await _events(first, 2)
+    first.close()
+    await _held(server)
+    async with await _resume(http, server.port, "bounded", ALICE, _id_of(before[-1])) as again:
+        after = await _events(again)
+    assert after and not after[-1].endswith(b"data: [DONE]\n\n")
+    generation = _generation(engine)
+    await engine.wait_for(lambda: generation.state is not GenerationState.RUNNING, timeout=5)
+    assert generation.stopped_by == "abort"
+    await settled(server)
+    registry = server.context.metrics.registry
+    assert metric(registry, "tether_request_outcomes_total", outcome="timed_out") == 1

@@ -15,6 +15,7 @@ connection is closed.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 
@@ -89,8 +90,21 @@ async def _carried_to_end(ctx: ProxyContext, state: RequestState, held: HeldStre
     keeping_alive = (
         StreamKeepAlive(state.relay, seconds, first_check=seconds) if seconds is not None else None
     )
+    limit = ctx.settings.request_timeout
     try:
-        await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+        if limit is None:
+            await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+            return
+        # The whole-request timeout still bounds it, from the request's start.
+        try:
+            async with asyncio.timeout(state.started_at + limit - time.monotonic()):
+                await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
+        except TimeoutError as exc:
+            if isinstance(exc, TetherError):
+                raise
+            raise RequestTimeoutError(
+                f"the request took longer than TETHER_REQUEST_TIMEOUT={limit}s"
+            ) from exc
     finally:
         if keeping_alive is not None:
             keeping_alive.stop()
