@@ -1,4 +1,5 @@
-"""The admin port: liveness, readiness, metrics, the in-flight list and abort by ID.
+"""The admin port: liveness, readiness, metrics, the in-flight list and abort by ID, and the
+other replicas' cancels and resumes for one caller (`/admin/cancel`, `/admin/resume`).
 
 Never served on the client port. The probes and `/metrics` are open (they name no request);
 everything that names or acts on requests needs `Authorization: Bearer $TETHER_ADMIN_TOKEN`:
