@@ -47,7 +47,6 @@ class HeldStream:
         "first",
         "keepalive",
         "relay",
-        "resumes",
         "sink",
     )
 
@@ -66,7 +65,6 @@ class HeldStream:
         self.first: asyncio.Transport | None = first  # the request's own connection, until left
         # The resume carrying it now; None: its own connection does, or nobody (held).
         self.sink: Resumer | None = None
-        self.resumes = 0
         self.ended = False  # for its client: nothing more to resume
         self._waiter: asyncio.Future[Resumer | None] | None = None
 
@@ -89,7 +87,6 @@ class HeldStream:
         ):
             return False
         self._exchange.on_sink_reopened()
-        self.resumes += 1
         previous, self.sink = self.sink, resumer
         if previous is not None:
             previous.end(False)
@@ -115,7 +112,8 @@ class HeldStream:
             async with asyncio.timeout_at(until):
                 return await waiter
         except TimeoutError:
-            return None
+            # (a resume may have taken it over in the same turn of the loop)
+            return waiter.result() if waiter.done() and not waiter.cancelled() else None
         finally:
             self._waiter = None
 

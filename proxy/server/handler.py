@@ -133,11 +133,11 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         outcome = _why_cancelled(request, state, ctx)
         if outcome is Outcome.CLIENT_DISCONNECTED:
             if state.held is None:
-                state.ending = await _client_gone(ctx, state)
+                state.ending = await _client_gone(ctx, state, cancelled=True)
                 raise
             # Its stream may be resumed: the handler carries on without its connection.
             asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            state.ending = await _client_gone(ctx, state)
+            state.ending = await _client_gone(ctx, state, cancelled=True)
             assert state.client_response is not None
             return state.client_response
         ctx.aborts.stop_work(state)
@@ -170,7 +170,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         # 5b. A write found the client's socket closing, or the relay its sink. The response
         # goes back to aiohttp, whose last write fails quietly on the closed socket (an
         # exception here would be logged as a server error).
-        state.ending = await _client_gone(ctx, state)
+        state.ending = await _client_gone(ctx, state, cancelled=False)
         assert state.client_response is not None  # only a started answer finds it gone
         return state.client_response
     except TetherError as error:
@@ -282,14 +282,14 @@ async def _send(
     return upstream
 
 
-async def _client_gone(ctx: ProxyContext, state: RequestState) -> Ending:
+async def _client_gone(ctx: ProxyContext, state: RequestState, *, cancelled: bool) -> Ending:
     """The client left before its answer was complete, however that showed: counted, and the
     engine's work for it stopped, unless its stream is held for a resume that carries it on."""
     held = state.held
     if held is None or not held.carried:  # (else a resume took it over and closed it)
         ctx.accounting.connection_cut(state)
     if held is not None and held.resumable and not ctx.readiness.draining:
-        ending = await carry_on(ctx, state, held)
+        ending = await carry_on(ctx, state, held, cancelled=cancelled)
         if ending is not None:
             return ending
     ctx.accounting.client_left(state)

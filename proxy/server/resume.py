@@ -34,16 +34,22 @@ STARTING_AFTER = "starting_after"
 _MAX_DIGITS = 18
 
 
-async def carry_on(ctx: ProxyContext, state: RequestState, held: HeldStream) -> Ending | None:
+async def carry_on(
+    ctx: ProxyContext, state: RequestState, held: HeldStream, *, cancelled: bool
+) -> Ending | None:
     """The client's connection is gone: hold its stream for a resume, and carry it to its end
     on the connections that resume it. None when nobody resumed it within the grace (or it
-    held more than allowed): its engine work is then stopped as for any client that left."""
+    held more than allowed): its engine work is then stopped as for any client that left.
+    `cancelled`: the handler learnt it from its cancellation (else from a failed write, and
+    the cancellation aiohttp makes when it sees the connection closed is still to come)."""
     grace = ctx.settings.resume_grace
     assert grace is not None and state.upstream is not None and state.relay is not None
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
     held_until: float | None = None  # while held: the end of its grace, on the loop's clock
+    # The handler was cancelled because its first connection closed: aiohttp does so once.
+    first_closed = cancelled
     try:
         while True:
             try:
@@ -52,6 +58,7 @@ async def carry_on(ctx: ProxyContext, state: RequestState, held: HeldStream) -> 
                         held_until = loop.time() + grace
                         ctx.accounting.stream_held(state, grace)
                     if await held.wait_resume(held_until) is None:
+                        held.end(whole=False)  # no resume may take it over from here
                         return None
                     held_until = None
                     ctx.accounting.stream_resumed(state)
@@ -60,14 +67,16 @@ async def carry_on(ctx: ProxyContext, state: RequestState, held: HeldStream) -> 
                 held.sink_lost()  # the resume's connection dropped too: held again
                 continue
             except asyncio.CancelledError:
-                if state.stopped_by is None:
-                    # Its first connection closing, after a resume took the stream over.
+                if state.stopped_by is None and not first_closed:
+                    # Its first connection closing (once): after a resume took the stream
+                    # over, or after a failed write already told the handler it was gone.
+                    first_closed = True
                     task.uncancel()
                     continue
                 # Its caller cancelled it, an operator aborted it, or tether is shutting down.
                 held.end(whole=state.relay.ended_at_boundary)
                 ctx.aborts.stop_work(state)
-                return Ending(state.stopped_by, 200)
+                return Ending(state.stopped_by or Outcome.SHUTDOWN_ABORTED, 200)
             except TetherError as error:
                 timed_out = isinstance(error, RequestTimeoutError)
                 ctx.aborts.stop_work(state, ask_engine=timed_out)
