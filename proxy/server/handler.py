@@ -111,93 +111,111 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
     ctx.registry.add(state)
     ctx.accounting.began(state, request.headers)
     response: web.StreamResponse
+    # Where the client's connection is gone but its stream may be resumed: whether the
+    # handler learnt it from its cancellation (else a failed write). The hold is awaited after
+    # the `except` clauses, never inside one: a compiled coroutine suspended in one leaves its
+    # exception as the one being handled for whatever else the loop runs meanwhile.
+    resumable_since_cancel: bool | None = None
     try:
-        # 3. Forward and relay, bounded by the whole-request timeout when one is set.
         try:
-            if settings.request_timeout is None:
-                response = await _forward(request, state, ctx)
-            else:
-                async with asyncio.timeout(settings.request_timeout):
+            # 3. Forward and relay, bounded by the whole-request timeout when one is set.
+            try:
+                if settings.request_timeout is None:
                     response = await _forward(request, state, ctx)
-        except TimeoutError as exc:
-            if isinstance(exc, TetherError):
-                raise  # tether's own timeouts (connect, idle) already say what happened
-            raise RequestTimeoutError(
-                f"the request took longer than TETHER_REQUEST_TIMEOUT={settings.request_timeout}s"
-            ) from exc
-        # 4. Completed: the engine's answer, whatever its status, went to the client in full.
-        state.ending = Ending(Outcome.COMPLETED, reported_status(response))
-        return response
-    except asyncio.CancelledError:
-        # 5a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
-        outcome = _why_cancelled(request, state, ctx)
-        if outcome is Outcome.CLIENT_DISCONNECTED:
-            if state.held is None:
-                state.ending = await _client_gone(ctx, state, cancelled=True)
-                raise
-            # Its stream may be resumed: the handler carries on without its connection.
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            state.ending = await _client_gone(ctx, state, cancelled=True)
-            assert state.client_response is not None
-            return state.client_response
-        ctx.aborts.stop_work(state)
-        if began_early_without_events(state):
-            # (a stream tether began itself before the engine answered: its one event says so)
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-            stopped = _stopped_by_tether(outcome)
+                else:
+                    async with asyncio.timeout(settings.request_timeout):
+                        response = await _forward(request, state, ctx)
+            except TimeoutError as exc:
+                if isinstance(exc, TetherError):
+                    raise  # tether's own timeouts (connect, idle) already say what happened
+                raise RequestTimeoutError(
+                    "the request took longer than "
+                    f"TETHER_REQUEST_TIMEOUT={settings.request_timeout}s"
+                ) from exc
+            # 4. Completed: the engine's answer, whatever its status, went to the client in full.
+            state.ending = Ending(Outcome.COMPLETED, reported_status(response))
+            return response
+        except asyncio.CancelledError:
+            # 5a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
+            outcome = _why_cancelled(request, state, ctx)
+            if outcome is Outcome.CLIENT_DISCONNECTED:
+                if not _may_be_resumed(ctx, state):
+                    state.ending = _client_gone(ctx, state)
+                    raise
+                # Its stream may be resumed: the handler carries on without its connection.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                resumable_since_cancel = True
+            else:
+                ctx.aborts.stop_work(state)
+                if began_early_without_events(state):
+                    # (a stream tether began before the engine answered: its one event says so)
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    stopped = _stopped_by_tether(outcome)
+                    response, state.ending = answer_failure(
+                        request,
+                        state,
+                        Ending(outcome, stopped.status, stopped),
+                        settings.request_id_header,
+                    )
+                    return response
+                sent = response_started(state)
+                if sent is not None:  # cut mid-response: the status it started with stands
+                    state.ending = Ending(outcome, sent.status)
+                    if outcome is Outcome.CANCELLED and state.relay is not None:
+                        if state.relay.ended_at_boundary:
+                            # Its caller cancelled it and its stream stopped after a whole event:
+                            # it ends as a complete HTTP response, not a cut one.
+                            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                            await end_stream(sent)
+                            return sent
+                    raise
+                # tether cancelled it (admin abort, shutdown) before any byte went out and the
+                # client is still there: it gets a 503 it may retry elsewhere, then the
+                # connection closes.
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                stopped = _stopped_by_tether(outcome)
+                state.ending = Ending(outcome, stopped.status, stopped)
+                return error_response(stopped, settings.request_id_header, client_request_id)
+        except (ClientGoneError, SinkClosedError):
+            # 5b. A write found the client's socket closing, or the relay its sink. The response
+            # goes back to aiohttp, whose last write fails quietly on the closed socket (an
+            # exception here would be logged as a server error).
+            assert state.client_response is not None  # only a started answer finds it gone
+            if not _may_be_resumed(ctx, state):
+                state.ending = _client_gone(ctx, state)
+                return state.client_response
+            resumable_since_cancel = False
+        except TetherError as error:
+            # 5c. A bad body, a timeout or an upstream failure: before the response started the
+            # client gets a JSON error; after, its stream is cut so it can never pass for a
+            # complete one. Only a timeout is tether's decision to stop work the engine is doing,
+            # so only then is the engine told: a body the engine never fully received starts no
+            # generation, and aborting a crashed engine would only add a storm of calls.
+            outcome = _outcome_of(error)
+            ctx.aborts.stop_work(state, ask_engine=outcome is Outcome.TIMED_OUT)
             response, state.ending = answer_failure(
-                request, state, Ending(outcome, stopped.status, stopped), settings.request_id_header
+                request, state, Ending(outcome, error.status, error), settings.request_id_header
             )
             return response
-        sent = response_started(state)
-        if sent is not None:  # cut mid-response: the status it started with stands
-            state.ending = Ending(outcome, sent.status)
-            if outcome is Outcome.CANCELLED and state.relay is not None:
-                if state.relay.ended_at_boundary:
-                    # Its caller cancelled it and its stream stopped after a whole event:
-                    # it ends as a complete HTTP response, not a cut one.
-                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                    await end_stream(sent)
-                    return sent
-            raise
-        # tether cancelled it (admin abort, shutdown) before any byte went out and the client
-        # is still there: it gets a 503 it may retry elsewhere, then the connection closes.
-        asyncio.current_task().uncancel()  # type: ignore[union-attr]
-        stopped = _stopped_by_tether(outcome)
-        state.ending = Ending(outcome, stopped.status, stopped)
-        return error_response(stopped, settings.request_id_header, client_request_id)
-    except (ClientGoneError, SinkClosedError):
-        # 5b. A write found the client's socket closing, or the relay its sink. The response
-        # goes back to aiohttp, whose last write fails quietly on the closed socket (an
-        # exception here would be logged as a server error).
-        state.ending = await _client_gone(ctx, state, cancelled=False)
-        assert state.client_response is not None  # only a started answer finds it gone
+        except Exception as exc:
+            # 5d. Anything else is a bug in tether. The client still gets an OpenAI-style answer
+            # (or a cut stream), the engine is stopped, and the log gets one error line with the
+            # traceback, never its local variables.
+            bug = InternalError(f"tether failed unexpectedly ({exc.__class__.__name__})")
+            ctx.aborts.stop_work(state)
+            response, state.ending = answer_failure(
+                request,
+                state,
+                Ending(Outcome.INTERNAL_ERROR, bug.status, bug, exc),
+                settings.request_id_header,
+            )
+            return response
+        # 5e. The client's connection is gone, but its stream may be resumed: held for the
+        # grace, carried on by a resume, or stopped as for any client that left.
+        assert resumable_since_cancel is not None
+        state.ending = await _held_or_gone(ctx, state, cancelled=resumable_since_cancel)
+        assert state.client_response is not None
         return state.client_response
-    except TetherError as error:
-        # 5c. A bad body, a timeout or an upstream failure: before the response started the
-        # client gets a JSON error; after, its stream is cut so it can never pass for a
-        # complete one. Only a timeout is tether's decision to stop work the engine is doing,
-        # so only then is the engine told: a body the engine never fully received starts no
-        # generation, and aborting a crashed engine would only add a storm of calls.
-        outcome = _outcome_of(error)
-        ctx.aborts.stop_work(state, ask_engine=outcome is Outcome.TIMED_OUT)
-        response, state.ending = answer_failure(
-            request, state, Ending(outcome, error.status, error), settings.request_id_header
-        )
-        return response
-    except Exception as exc:
-        # 5d. Anything else is a bug in tether. The client still gets an OpenAI-style answer
-        # (or a cut stream), the engine is stopped, and the log gets one error line with the
-        # traceback, never its local variables.
-        bug = InternalError(f"tether failed unexpectedly ({exc.__class__.__name__})")
-        ctx.aborts.stop_work(state)
-        response, state.ending = answer_failure(
-            request,
-            state,
-            Ending(Outcome.INTERNAL_ERROR, bug.status, bug, exc),
-            settings.request_id_header,
-        )
-        return response
     finally:
         # 6. Every way out: the request leaves the registry and is reported, once.
         ctx.registry.remove(state)
@@ -282,19 +300,35 @@ async def _send(
     return upstream
 
 
-async def _client_gone(ctx: ProxyContext, state: RequestState, *, cancelled: bool) -> Ending:
+def _client_gone(ctx: ProxyContext, state: RequestState) -> Ending:
     """The client left before its answer was complete, however that showed: counted, and the
-    engine's work for it stopped, unless its stream is held for a resume that carries it on."""
-    held = state.held
-    if held is None or not held.carried:  # (else a resume took it over and closed it)
-        ctx.accounting.connection_cut(state)
-    if held is not None and held.resumable and not ctx.readiness.draining:
-        ending = await carry_on(ctx, state, held, cancelled=cancelled)
-        if ending is not None:
-            return ending
+    engine's work for it stopped."""
+    ctx.accounting.connection_cut(state)
+    return _abandoned(ctx, state)
+
+
+def _abandoned(ctx: ProxyContext, state: RequestState) -> Ending:
     ctx.accounting.client_left(state)
     ctx.aborts.stop_work(state)
     return Ending(Outcome.CLIENT_DISCONNECTED, 499)
+
+
+def _may_be_resumed(ctx: ProxyContext, state: RequestState) -> bool:
+    """Its client's connection is gone, but its stream may be resumed (TETHER_RESUME_GRACE),
+    or a resume already carries it."""
+    held = state.held
+    return held is not None and held.resumable and not ctx.readiness.draining
+
+
+async def _held_or_gone(ctx: ProxyContext, state: RequestState, *, cancelled: bool) -> Ending:
+    """Its client's connection is gone and its stream held for a resume (`resume.carry_on`):
+    carried to its end by one, or, with none in time, abandoned as by any client that left."""
+    held = state.held
+    assert held is not None
+    if not held.carried:  # (else a resume took it over and closed the connection itself)
+        ctx.accounting.connection_cut(state)
+    ending = await carry_on(ctx, state, held, cancelled=cancelled)
+    return ending if ending is not None else _abandoned(ctx, state)
 
 
 def _refuse_unforwardable(
