@@ -11,13 +11,12 @@ import time
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
 from tether_fake_engine import FakeEngine, GenerationState
 
 from .support.canaries import CANARY_SECRET
-from .support.chat import chat_body
+from .support.chat import chat_body, openai_chat_text
 from .support.in_process import TetherFactory, drained, settled
 from .support.metrics import metric
 from .support.raw_http import RawClient
@@ -464,21 +463,8 @@ async def test_the_openai_sdk_reads_a_numbered_stream_unchanged(
     plain = await tether(engine_url)
     numbered = await tether(engine_url, resume_grace=GRACE)
 
-    async def text_through(server: Any) -> str:
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=20
-        )
-        async with client:
-            stream = await client.chat.completions.create(
-                model="fake",
-                messages=[{"role": "user", "content": "hello"}],
-                stream=True,
-                max_tokens=8,
-            )
-            return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
-
-    text = await text_through(numbered)
-    assert text == await text_through(plain)
+    text = await openai_chat_text(numbered.port, max_tokens=8)
+    assert text == await openai_chat_text(plain.port, max_tokens=8)
     assert text == "".join(f" tok{i}" for i in range(8))
 
 

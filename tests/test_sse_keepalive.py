@@ -20,7 +20,7 @@ from proxy.server.runner import TetherServer
 from proxy.upstream.stream_keepalive import KEEPALIVE_COMMENT, StreamKeepAlive
 from proxy.wire.error_events import engine_error, error_event
 
-from .support.chat import chat_body, sse_ids
+from .support.chat import chat_body, openai_chat_text, sse_ids
 from .support.fake_transport import SteppedClockLoop, run_on_stepped_clock, settle
 from .support.in_process import TetherFactory, settled
 from .support.metrics import metric
@@ -436,21 +436,6 @@ async def test_a_non_streaming_request_gets_no_keepalive(
 # --- clients ------------------------------------------------------------------------------------
 
 
-async def _sdk_text(server: TetherServer, **fake: Any) -> str:
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0, timeout=20
-    )
-    async with client:
-        stream = await client.chat.completions.create(
-            model="fake",
-            messages=[{"role": "user", "content": "hello"}],
-            stream=True,
-            max_tokens=5,
-            extra_body={"fake": fake},
-        )
-        return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
-
-
 async def test_the_openai_sdk_reads_a_kept_alive_stream_unchanged(
     fake_engine: FakeEngineFactory, tether: TetherFactory
 ) -> None:
@@ -459,10 +444,12 @@ async def test_the_openai_sdk_reads_a_kept_alive_stream_unchanged(
     _, engine_url = await fake_engine()
     kept = await tether(engine_url, engine="vllm", sse_keepalive=0.1)
     plain = await tether(engine_url, engine="vllm")
-    silences = {"head_after": 0.5, "prefill": 0.5}
+    silences: dict[str, Any] = {"head_after": 0.5, "prefill": 0.5}
 
-    assert await _sdk_text(kept, **silences) == await _sdk_text(plain, **silences)
-    assert await _sdk_text(kept, **silences) == " tok0 tok1 tok2 tok3 tok4"
+    assert await openai_chat_text(kept.port, **silences) == await openai_chat_text(
+        plain.port, **silences
+    )
+    assert await openai_chat_text(kept.port, **silences) == " tok0 tok1 tok2 tok3 tok4"
     # (the stream it read had comments before and after the engine's head)
     raw = _events((await _stream(kept.port, chat_body(head_after=0.5, prefill=0.5))).body)
     first_event = next(i for i, block in enumerate(raw) if block.startswith(b"data: "))
@@ -478,7 +465,7 @@ async def test_the_openai_sdk_raises_an_engine_error_after_the_early_commit(
     server = await tether(engine_url, engine="vllm", sse_keepalive=0.1)
 
     with pytest.raises(openai.APIError, match="the fake engine answers 503") as raised:
-        await _sdk_text(server, head_after=0.5, answer_status=503)
+        await openai_chat_text(server.port, head_after=0.5, answer_status=503)
     assert raised.type is openai.APIError  # raised from the stream, not from a 503 status
 
 

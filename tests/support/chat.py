@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openai
+
 from .canaries import CANARY_PROMPT
 
 
@@ -29,3 +31,20 @@ def sse_ids(text: str) -> list[str]:
         for line in text.splitlines()
         if line.startswith("data: {")
     ]
+
+
+async def openai_chat_text(port: int, max_tokens: int = 5, **fake: Any) -> str:
+    """A streamed chat completion through the openai SDK against the server on `port`: the
+    text its chunks make (`fake`: the fake engine's per-request behaviour)."""
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=20
+    )
+    async with client:
+        stream = await client.chat.completions.create(
+            model="fake",
+            messages=[{"role": "user", "content": "hello"}],
+            stream=True,
+            max_tokens=max_tokens,
+            extra_body={"fake": fake},
+        )
+        return "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
