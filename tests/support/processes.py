@@ -36,7 +36,7 @@ from proxy.compiled import NO_EXTENSIONS_VARIABLE
 
 from .blocking_http import http_get
 from .collected_log import CLI, CollectedLog, subprocess_source
-from .net import free_port
+from .net import free_port, free_ports
 from .waiting import poll_until, wait_until
 
 READY_TIMEOUT = 15.0
@@ -170,12 +170,16 @@ async def start_tether_process(
     `tether_started` line), with the TETHER_* settings in `env` on top of test defaults (fast
     health checks, no repeated abort); returns once `/readyz` is 200.
     `prefix` runs it under another command (e.g. `unshare` for a private /etc/hosts)."""
+    # Distinct from each other and from a port the test chose itself (asked one by one, the
+    # kernel may hand out the same port twice).
+    chosen = {(env or {}).get(name) for name in ("TETHER_PORT", "TETHER_ADMIN_PORT")}
+    port, admin_port = [p for p in free_ports(4) if str(p) not in chosen][:2]
     settings = {
         "TETHER_UPSTREAM_URL": engine_url,
         "TETHER_HOST": host,
-        "TETHER_PORT": str(free_port()),
+        "TETHER_PORT": str(port),
         "TETHER_ADMIN_HOST": host,
-        "TETHER_ADMIN_PORT": str(free_port()),
+        "TETHER_ADMIN_PORT": str(admin_port),
         "TETHER_HEALTH_INTERVAL": "0.1",
         "TETHER_ABORT_REPEAT_DELAY": "0",
         **(env or {}),
