@@ -11,6 +11,8 @@ class Phase(StrEnum):
     """Where a request is in its life; also the `phase` label of disconnect metrics."""
 
     BODY = "body"  # reading the client's body (and sending it upstream)
+    # read, waiting in tether for a free engine slot (TETHER_ENGINE_SLOTS); never sent
+    QUEUED = "queued"
     WAITING = "waiting"  # body sent, waiting for the engine's response (queued, prefill)
     STREAMING = "streaming"  # relaying the response to the client
 

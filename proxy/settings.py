@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
@@ -52,7 +52,7 @@ class RequestIdMode(StrEnum):
 class Tracing(StrEnum):
     AUTO = "auto"  # on when OTEL_EXPORTER_OTLP_ENDPOINT is set and the otel extra installed
     ON = "on"
-    OFF = "off"
+    OFF: Final = "off"
 
 
 class LogFormat(StrEnum):
@@ -68,8 +68,10 @@ class LogLevel(StrEnum):
 
 
 Seconds = Annotated[float, Field(gt=0)]
-AUTO = "auto"
+AUTO: Final = "auto"
 WorkerCount = Annotated[int, Field(ge=1)] | Literal["auto"]
+OFF = "off"
+SlotCount = Annotated[int, Field(ge=1)] | Literal["auto", "off"]
 
 
 class _SettingsHead(BaseSettings):
@@ -97,6 +99,15 @@ class _SettingsHead(BaseSettings):
         "the engine what it is (at start-up and whenever it comes back) and, until it says, "
         "refuses every known engine's control routes and stops requests by dropping the "
         "connection. A configured engine the engine contradicts is a warning.",
+    )
+    engine_slots: SlotCount = Field(
+        AUTO,
+        description="For an engine that does not notice a queued request's client leaving "
+        "(llama.cpp's server): how many requests it generates at once; tether keeps the "
+        "generation requests beyond them waiting in its own queue, where a client that leaves "
+        "is dropped before the engine sees its request. auto: the count the engine reports "
+        "(llama-server's total_slots, its -np); off: every request goes straight to the "
+        "engine's queue.",
     )
     abort_url: str | None = Field(
         None,
@@ -327,14 +338,12 @@ class Settings(EngineSettings, _SettingsHead):
     @field_validator("workers", mode="before")
     @classmethod
     def _count_or_auto(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = value.strip().lower()
-            if value == AUTO:
-                return value
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"must be a whole number of at least 1, or {AUTO}")
-            return int(value)
-        return value
+        return _count_or_word(value, (AUTO,))
+
+    @field_validator("engine_slots", mode="before")
+    @classmethod
+    def _count_auto_or_off(cls, value: Any) -> Any:
+        return _count_or_word(value, (AUTO, OFF))
 
     @field_validator("admin_token", "upstream_admin_key")
     @classmethod
@@ -482,6 +491,18 @@ class Settings(EngineSettings, _SettingsHead):
         if self.abort_timeout > self.abort_deadline:
             raise ValueError("TETHER_ABORT_TIMEOUT must not exceed TETHER_ABORT_DEADLINE")
         return self
+
+
+def _count_or_word(value: Any, words: tuple[str, ...]) -> Any:
+    """A whole number of at least 1 from the environment's text, or one of `words`."""
+    if isinstance(value, str):
+        value = value.strip().lower()
+        if value in words:
+            return value
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"must be a whole number of at least 1, or {_one_of(words)}")
+        return int(value)
+    return value
 
 
 def _normalised_paths(paths: tuple[str, ...], otherwise: str = "") -> tuple[str, ...]:

@@ -63,7 +63,7 @@ OLLAMA = {"/api/version": {"version": "0.31.2"}}
             {"/get_model_info": SGLANG["/model_info"]},
             Identity("sglang", "sglang", None, "GET /get_model_info"),
         ),
-        (LLAMACPP, Identity("llamacpp", "llamacpp", "b11434-abcdef", "GET /props")),
+        (LLAMACPP, Identity("llamacpp", "llamacpp", "b11434-abcdef", "GET /props", 1)),
         (TGI, Identity("tgi", "none", "3.3.6", "GET /info")),
         (OLLAMA, Identity("ollama", "none", "0.31.2", "GET /api/version")),
         # TensorRT-LLM serves /version too; its model cards are not vLLM's.

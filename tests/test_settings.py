@@ -111,6 +111,11 @@ from .support.settings import make_settings
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_SSE_KEEPALIVE_SKIP_PATHS": "v1/chat"},
             "TETHER_SSE_KEEPALIVE_SKIP_PATHS",
         ),
+        ({"TETHER_UPSTREAM_URL": "http://x", "TETHER_ENGINE_SLOTS": "0"}, "TETHER_ENGINE_SLOTS"),
+        (
+            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_ENGINE_SLOTS": "many"},
+            "TETHER_ENGINE_SLOTS",
+        ),
     ],
 )
 def test_bad_setting_exits_2_naming_the_variable(
@@ -144,6 +149,15 @@ def test_defaults_match_the_documented_ones() -> None:
     assert settings.blocked_paths is None  # the engine's own list (test_control_routes.py)
     assert settings.allowed_paths is None
     assert settings.sse_keepalive is None and settings.sse_keepalive_skip_paths == ()
+    assert settings.engine_slots == "auto"
+
+
+@pytest.mark.socket_free
+def test_engine_slots_are_a_count_auto_or_off() -> None:
+    """TETHER_ENGINE_SLOTS: a whole number, or auto and off in any case."""
+    assert make_settings(engine_slots=" 3 ").engine_slots == 3
+    assert make_settings(engine_slots="OFF").engine_slots == "off"
+    assert make_settings(engine_slots="Auto").engine_slots == "auto"
 
 
 @pytest.mark.socket_free

@@ -173,6 +173,7 @@ class FakeEngine:
         hears_disconnects: bool = False,
         front_end_processes: int = 1,
         identifiable: bool = True,
+        slots: int = 4,
     ) -> None:
         self.abort_route = abort_route
         # Says what it is where the engine it plays would (vLLM's /version and its model
@@ -206,6 +207,11 @@ class FakeEngine:
         self.disconnects: list[tuple[str, float]] = []
         # llama.cpp: the live stream of each conversation.
         self.conversations: dict[str, Generation] = {}
+        # llama.cpp: requests generating at once (`-np`); the rest wait in its queue, blind to
+        # their clients leaving (it looks only when a one-second wait passes without any
+        # request's result).
+        self.slots = slots
+        self._free_slots = asyncio.Semaphore(slots)
         self._changed = asyncio.Condition()
         self.app = self._make_app()
 
@@ -303,7 +309,7 @@ class FakeEngine:
         return web.json_response(
             {
                 "default_generation_settings": settings,
-                "total_slots": 1,
+                "total_slots": self.slots,
                 "model_path": "/models/fake.gguf",
                 "build_info": "b11434-fake",
             }
@@ -352,6 +358,8 @@ class FakeEngine:
         if answer_status is not None:
             await asyncio.sleep(float(knobs.get("head_after", 0.0)))
             return self._error(int(answer_status))
+        if self.plays_llamacpp:
+            await self._slot_for(request, body, payload, knobs)
         generation = self._new_generation(request, body, payload, knobs)
         generation.process = self.process_of(request)
         running = self.generations.get(generation.request_id)
@@ -374,6 +382,8 @@ class FakeEngine:
                 replaced.end(GenerationState.ABORTED)
             self.conversations[generation.conversation] = generation
         generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
+        if self.plays_llamacpp:
+            generation.task.add_done_callback(lambda _: self._free_slots.release())
         await self._notify()
         try:
             if payload.get("stream"):
@@ -391,6 +401,43 @@ class FakeEngine:
                 generation.end(GenerationState.ABORTED)
             await self._notify()
             raise
+
+    async def _slot_for(
+        self, request: web.Request, body: bytes, payload: dict[str, Any], knobs: dict[str, Any]
+    ) -> None:
+        """llama-server's queue: a free slot, in turn. A client that leaves meanwhile goes
+        unseen: its request takes the slot once one frees and runs until its first token's
+        write finds the connection gone (to its end, without `hears_disconnects`)."""
+        slot = asyncio.ensure_future(self._free_slots.acquire())
+        try:
+            await asyncio.shield(slot)
+        except asyncio.CancelledError:
+            task = asyncio.get_running_loop().create_task(
+                self._run_for_nobody(slot, request, body, payload, knobs)
+            )
+            self._pending_aborts.add(task)
+            task.add_done_callback(self._pending_aborts.discard)
+            raise
+
+    async def _run_for_nobody(
+        self,
+        slot: Awaitable[object],
+        request: web.Request,
+        body: bytes,
+        payload: dict[str, Any],
+        knobs: dict[str, Any],
+    ) -> None:
+        await slot
+        generation = self._new_generation(request, body, payload, knobs)
+        self.generations[generation.request_id] = generation
+        generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
+        generation.task.add_done_callback(lambda _: self._free_slots.release())
+        if payload.get("stream") and self.hears_disconnects:
+            await generation.tokens.get()  # its first write: the connection is gone
+            self.disconnects.append((generation.request_id, time.monotonic()))
+            generation.stopped_by = "disconnect"
+            generation.end(GenerationState.ABORTED)
+        await self._notify()
 
     @staticmethod
     def _error(status: int) -> web.Response:

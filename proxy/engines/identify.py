@@ -49,6 +49,9 @@ class Identity:
     profile: str
     version: str | None
     evidence: str
+    # Requests the engine generates at once, where it says (llama-server's `total_slots`, its
+    # `-np`); the rest wait in its queue.
+    slots: int | None = None
 
 
 def identify(answers: Mapping[str, Any]) -> Identity | None:
@@ -60,7 +63,13 @@ def identify(answers: Mapping[str, Any]) -> Identity | None:
             return Identity("sglang", "sglang", None, f"GET {path}")
     props = _object(answers.get("/props"))
     if "default_generation_settings" in props and "total_slots" in props:
-        return Identity("llamacpp", "llamacpp", _text(props.get("build_info")), "GET /props")
+        return Identity(
+            "llamacpp",
+            "llamacpp",
+            _text(props.get("build_info")),
+            "GET /props",
+            _count(props.get("total_slots")),
+        )
     info = _object(answers.get("/info"))
     if info.get("router") == "text-generation-router":
         return Identity("tgi", "none", _text(info.get("version")), "GET /info")
@@ -80,6 +89,11 @@ def _object(document: Any) -> dict[str, Any]:
 def _text(value: Any) -> str | None:
     """A short string from an answer (a version), never a long one."""
     return value[:64] if isinstance(value, str) and value else None
+
+
+def _count(value: Any) -> int | None:
+    """A positive whole number from an answer, never anything else (a bool is no count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _model_owners(document: Any) -> set[str]:

@@ -195,6 +195,9 @@ class Profile(EngineProfile):
     # conversation's replay (`GET /v1/stream`) only reads a session that runs on by itself.
     watch_paths = ()
     merges_aborts = False
+    # Its HTTP thread looks at a queued request's client only when its one-second wait for a
+    # result times out, which no wait does while another client streams.
+    blind_while_queued = True
     confirm_rule = CONFIRM
     route_missing_statuses = ROUTE_MISSING
     usage_takes_fingerprint = False

@@ -320,6 +320,15 @@ class Metrics:
         self.streams_held = Gauge(
             "tether_streams_held", "Streams held for a resume now, their client away."
         )
+        self.engine_queue = Gauge(
+            "tether_engine_queue",
+            "Generation requests waiting in tether for a free engine slot (TETHER_ENGINE_SLOTS: "
+            "the engine's own queue would not notice their clients leaving).",
+        )
+        self.engine_slots = Gauge(
+            "tether_engine_slots",
+            "The engine slots tether counts (TETHER_ENGINE_SLOTS); 0: not counted.",
+        )
         self._all: tuple[Counter | Gauge | LabelledGauge | Info | Histogram, ...] = (
             self.requests,
             self.outcomes,
@@ -348,6 +357,8 @@ class Metrics:
             self.streamed_uploads,
             self.stream_holds,
             self.streams_held,
+            self.engine_queue,
+            self.engine_slots,
         )
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self)

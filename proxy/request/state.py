@@ -20,6 +20,7 @@ from ..outcomes import AbortResult, Outcome, Phase
 from ..upstream.exchange import UpstreamExchange
 from ..upstream.relay import ResponseRelay
 from .body import NOTHING_LEARNT, BodyFacts
+from .engine_slots import SlotGrant
 from .held_stream import HeldStream
 from .websocket import ClientFrames
 
@@ -76,6 +77,8 @@ class RequestState:
     # The client's ID as the engine would have written it into its answer, where that is
     # not `client_request_id` (SGLang answers with a body `rid` over the header's).
     echo_id: str | None = None
+    # The engine slots it holds or waits for (TETHER_ENGINE_SLOTS), once its body was read.
+    slots: SlotGrant | None = None
     upstream: UpstreamExchange | None = None  # its exchange with the engine, once begun
     relay: ResponseRelay | None = None  # where the engine's response goes, once it began
     client_response: web.StreamResponse | None = None  # once its head was built

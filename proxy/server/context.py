@@ -12,6 +12,7 @@ from ..engines import EngineProfile
 from ..faults import Faults
 from ..observe.metrics import Metrics
 from ..request.accounting import Accounting
+from ..request.engine_slots import EngineSlots
 from ..request.registry import Registry
 from ..settings import Settings
 from ..upstream.client import UpstreamClient
@@ -64,6 +65,11 @@ class ProxyContext:
     # The bytes streams hold for resumes (TETHER_RESUME_GRACE); None: resume is off.
     resume_budget: HeldBytes | None
     faults: Faults | None  # a test's failures at named points; None in production
+
+    @property
+    def slots(self) -> EngineSlots:
+        """The engine's slots, where tether counts them (TETHER_ENGINE_SLOTS)."""
+        return self.identity.slots
 
     @property
     def engine(self) -> EngineProfile:

@@ -6,8 +6,9 @@ longer than a load balancer lets a connection idle. So, as LiteLLM does, tether 
 client's `200 text/event-stream` itself once the keep-alive interval passed without a head,
 and writes a comment every interval until the head comes (`respond.commit_stream`). The
 engine's stream then follows in it; any other answer becomes one error event
-(`respond.relay_response` with `committed`). The price: the client no longer sees the HTTP
-status of an engine error, only the event (docs/streams.md).
+(`respond.relay_response` with `committed`). A wait in tether's own queue for an engine
+slot (TETHER_ENGINE_SLOTS) is part of that wait, and kept alive the same way. The price: the
+client no longer sees the HTTP status of an engine error, only the event (docs/streams.md).
 
 The interval never cancels the wait for the head (a wait cancelled while it resends the
 request of a stale pooled connection would not resend it again): the wait runs as its own
@@ -17,22 +18,24 @@ task, which the handler watches with a timeout, and cancels only when the handle
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
 from ..request.state import RequestState
 from ..settings import Settings
 from ..upstream.connection import ResponseHead
-from ..upstream.exchange import UpstreamExchange
 from ..wire.routes import is_allowed
 from .context import ProxyContext
-from .respond import commit_stream, relay_response, write_comment
+from .respond import commit_stream, write_comment
 
 
 def keepalive_for(
     request: web.BaseRequest, state: RequestState, settings: Settings
 ) -> float | None:
-    """The keep-alive interval of this request, once its body went to the engine: a
+    """The keep-alive interval of this request, once its body was read: a
     generation request (an engine route) whose body asked to stream, not a WebSocket, not one
     tether assembles into a whole answer, on a path not skipped; None: no keep-alive."""
     seconds = settings.sse_keepalive
@@ -50,17 +53,28 @@ def keepalive_for(
     return seconds
 
 
-async def relay_kept_alive(
+@dataclass(frozen=True, slots=True)
+class KeptAlive:
+    """A request whose wait for the engine's head was kept alive: its interval, and the
+    client's stream if it began before the head came, last written `quiet_for` seconds
+    before it did."""
+
+    seconds: float
+    committed: web.StreamResponse | None
+    quiet_for: float
+
+
+async def head_kept_alive(
     request: web.BaseRequest,
-    upstream: UpstreamExchange,
+    answered: Coroutine[Any, Any, ResponseHead],
     state: RequestState,
     ctx: ProxyContext,
     seconds: float,
-) -> web.StreamResponse:
-    """The engine's response relayed as `relay_response` does, and the client's stream begun
-    early (with a comment every `seconds`) if the head takes longer than `seconds`."""
+) -> tuple[ResponseHead, KeptAlive]:
+    """The engine's head (`answered`: the request sent, and its head read), the client's
+    stream begun early (with a comment every `seconds`) if it takes longer than `seconds`."""
     loop = asyncio.get_running_loop()
-    head_came = loop.create_task(upstream.wait_head())
+    head_came = loop.create_task(answered)
     committed: web.StreamResponse | None = None
     last_comment_at = 0.0
     try:
@@ -76,12 +90,5 @@ async def relay_kept_alive(
             head_came.cancel()  # the handler was cancelled (the client left, a stop)
         elif not head_came.cancelled():
             head_came.exception()  # seen: never reported as an exception nobody retrieved
-    return await relay_response(
-        request,
-        head,
-        state,
-        ctx,
-        keepalive=seconds,
-        committed=committed,
-        quiet_for=loop.time() - last_comment_at if committed is not None else 0.0,
-    )
+    quiet_for = loop.time() - last_comment_at if committed is not None else 0.0
+    return head, KeptAlive(seconds, committed, quiet_for)

@@ -22,7 +22,8 @@ import structlog
 from ..engines import EngineProfile, asks_engine, contradiction, engine_profile, served_engine
 from ..engines.identify import PROBE_PATHS, Identity, identify
 from ..observe.metrics import Metrics
-from ..settings import Settings
+from ..request.engine_slots import EngineSlots
+from ..settings import OFF, Settings
 from ..upstream.client import UpstreamClient
 
 log = structlog.get_logger("tether.engine")
@@ -44,6 +45,8 @@ class EngineIdentity:
         # A configured engine that the engine's own answer contradicts.
         self.mismatch: str | None = None
         self._asking: asyncio.Task[None] | None = None
+        # The engine's slots, where tether keeps the requests beyond them waiting itself.
+        self.slots = EngineSlots(metrics.engine_queue, metrics.engine_slots)
         self._show()
 
     async def ask(self) -> None:
@@ -117,12 +120,24 @@ class EngineIdentity:
                 version=identity.version,
                 how=identity.evidence,
                 profile=self.profile.engine,
+                slots=identity.slots,
             )
         if self.mismatch is not None:
             log.warning("engine_mismatch", detail=self.mismatch)
         self._show()
 
+    def _slot_count(self) -> int | None:
+        """How many requests tether lets the engine have at once (TETHER_ENGINE_SLOTS), where
+        its profile says its own queue is blind to clients leaving; None: no limit."""
+        setting = self._settings.engine_slots
+        if setting == OFF or not self.profile.blind_while_queued:
+            return None
+        if isinstance(setting, int):
+            return setting
+        return self.identity.slots if self.identity is not None else None
+
     def _show(self) -> None:
+        self.slots.resize(self._slot_count())
         identity = self.identity
         self._metrics.engine_info.labels = (
             self.configured.value,

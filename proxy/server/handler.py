@@ -1,9 +1,9 @@
 """One request's life, top to bottom, and nothing else.
 
 accept → refuse what must not pass → name it and register → body (streamed, or with tether's
-ID written in) → send to the engine → its response relayed (`respond`) → on a disconnect,
-stop the engine's work (`aborts`), or hold its stream for a resume that carries it on
-(`resume`) → one report (`request.accounting`).
+ID written in) → a free engine slot, where tether counts them → send to the engine → its
+response relayed (`respond`) → on a disconnect, stop the engine's work (`aborts`), or hold
+its stream for a resume that carries it on (`resume`) → one report (`request.accounting`).
 
 Every way out of the ladder below decides the request's `Ending` in one place. The client
 leaving shows up here in one of two ways: the handler task is cancelled (aiohttp runs with
@@ -14,6 +14,7 @@ or a write finds the client's socket closing; both take `_client_gone`.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from aiohttp import web
 from multidict import istr
@@ -41,15 +42,17 @@ from ..observe.logging import bind_request_ids
 from ..observe.metrics import route_label
 from ..outcomes import Outcome, Phase
 from ..request.body import outgoing_body
+from ..request.engine_slots import SlotGrant
 from ..request.naming import adopt_body_id, header_request_id, preserved_id, preserving
 from ..request.state import Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, websocket_asked
 from ..settings import RequestIdMode
-from ..upstream.exchange import SinkClosedError, UpstreamExchange
+from ..upstream.connection import ResponseHead
+from ..upstream.exchange import RequestBody, SinkClosedError
 from ..wire.headers import client_head_size, upstream_request_headers
 from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .context import ProxyContext
-from .early_commit import keepalive_for, relay_kept_alive
+from .early_commit import KeptAlive, head_kept_alive, keepalive_for
 from .respond import (
     answer_failure,
     began_early_without_events,
@@ -217,7 +220,10 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
         assert state.client_response is not None
         return state.client_response
     finally:
-        # 6. Every way out: the request leaves the registry and is reported, once.
+        # 6. Every way out: its engine slots go to the next request waiting for one, and the
+        #    request leaves the registry and is reported, once.
+        if state.slots is not None:
+            ctx.slots.give_back(state.slots)
         ctx.registry.remove(state)
         ctx.accounting.ended(state)
 
@@ -225,20 +231,81 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
 async def _forward(
     request: web.BaseRequest, state: RequestState, ctx: ProxyContext
 ) -> web.StreamResponse:
-    upstream = await _send(request, state, ctx)
-    state.phase = Phase.WAITING
-    keepalive = keepalive_for(request, state, ctx.settings)
-    if keepalive is not None:
-        return await relay_kept_alive(request, upstream, state, ctx, keepalive)
-    head = await upstream.wait_head()
-    return await relay_response(request, head, state, ctx)
+    head, kept_alive = await _answered(request, state, ctx)
+    if kept_alive is None:
+        return await relay_response(request, head, state, ctx)
+    return await relay_response(
+        request,
+        head,
+        state,
+        ctx,
+        keepalive=kept_alive.seconds,
+        committed=kept_alive.committed,
+        quiet_for=kept_alive.quiet_for,
+    )
 
 
-async def _send(
+async def _answered(
     request: web.BaseRequest, state: RequestState, ctx: ProxyContext
-) -> UpstreamExchange:
-    """The client's request, sent to the engine (its own coroutine, so that what it built,
-    the head and body among them, is freed for the rest of a long stream)."""
+) -> tuple[ResponseHead, KeptAlive | None]:
+    """The engine's response head, and how the wait for it was kept alive (its own
+    coroutine, so that the request it sent, head and body, is freed for the rest of a long
+    stream)."""
+    outgoing = await _outgoing(request, state, ctx)
+    keepalive = keepalive_for(request, state, ctx.settings)
+    if keepalive is None:
+        return await _sent(request, outgoing, state, ctx), None
+    # (a wait for a slot is kept alive as the engine's silence is)
+    return await head_kept_alive(
+        request, _sent(request, outgoing, state, ctx), state, ctx, keepalive
+    )
+
+
+async def _sent(
+    request: web.BaseRequest, outgoing: _Outgoing, state: RequestState, ctx: ProxyContext
+) -> ResponseHead:
+    """Once the engine has a slot free for it (where tether counts them), the request sent
+    to the engine; its response head."""
+    slots = ctx.slots
+    if slots.size is not None and _takes_a_slot(request, state):
+        state.slots = grant = SlotGrant(outgoing.engine_requests)
+        state.phase = Phase.QUEUED
+        await slots.take(grant)
+    state.upstream = upstream = ctx.upstream.exchange(
+        request.method,
+        replayable=state.engine.replayable(request.method, request.path),
+        upgrade=state.websocket,
+    )
+    await upstream.send(outgoing.head, outgoing.body, chunked=outgoing.chunked)
+    state.phase = Phase.WAITING
+    return await upstream.wait_head()
+
+
+def _takes_a_slot(request: web.BaseRequest, state: RequestState) -> bool:
+    """A request that starts generation on an engine whose own queue does not see its client
+    leave."""
+    engine = state.engine
+    return (
+        engine.blind_while_queued
+        and request.method == "POST"
+        and request.path in engine.generation_routes
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Outgoing:
+    """What goes to the engine: its head, its body, and how many requests it runs for it."""
+
+    head: bytes
+    body: RequestBody
+    chunked: bool
+    engine_requests: int
+
+
+async def _outgoing(request: web.BaseRequest, state: RequestState, ctx: ProxyContext) -> _Outgoing:
+    """The client's request as the engine gets it: its body read (or begun), checked and
+    given tether's ID, and the head it goes with (its own coroutine, so that what it built is
+    freed for the rest of a long stream)."""
     settings = ctx.settings
     engine = state.engine
     headers = upstream_request_headers(
@@ -291,13 +358,7 @@ async def _send(
         content_length=content_length,
         chunked=chunked,
     )
-    state.upstream = upstream = ctx.upstream.exchange(
-        request.method,
-        replayable=engine.replayable(request.method, request.path),
-        upgrade=state.websocket,
-    )
-    await upstream.send(head, body, chunked=chunked)
-    return upstream
+    return _Outgoing(head, body, chunked, engine_requests)
 
 
 def _client_gone(ctx: ProxyContext, state: RequestState) -> Ending:
