@@ -1,7 +1,8 @@
-"""The package's layers, checked rather than only written: no import circle between modules
-(imports only a type checker sees included), no arrow from a lower layer to a higher one, and
-no package `__init__` with code but the engines' registry. The layers are named once, here,
-top-down; docs/hooks.py builds docs/architecture.md's table of them from `LAYERS`."""
+"""The package's structure, checked rather than only written: no import circle between modules
+(imports only a type checker sees included), no arrow from a lower layer to a higher one, no
+package `__init__` with code but the engines' registry, and no compiled coroutine that
+suspends inside an `except` clause. The layers are named once, here, top-down; docs/hooks.py
+builds docs/architecture.md's table of them from `LAYERS`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import proxy
+from proxy.compiled import COMPILED_MODULES
 
 pytestmark = pytest.mark.socket_free
 
@@ -157,6 +159,46 @@ def test_package_inits_are_empty_but_the_engines_registry() -> None:
         for path in sorted(ROOT.glob("*/__init__.py"))
         if path.parent.name != "engines" and path.read_text().strip()
     ] == []
+
+
+def suspensions_in_except(source: str) -> list[int]:
+    """The lines of every `await`, `async for` and `async with` inside an `except` clause."""
+    return sorted(
+        inner.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ExceptHandler)
+        for inner in ast.walk(node)
+        if isinstance(inner, ast.Await | ast.AsyncFor | ast.AsyncWith)
+    )
+
+
+def test_no_compiled_coroutine_suspends_inside_an_except_clause() -> None:
+    """mypyc keeps the exception being handled as the thread's own while a compiled coroutine
+    is suspended inside its `except` clause, so whatever else the loop runs meanwhile sees it
+    as the exception being handled (a missing move once read as an engine's protocol error):
+    compiled modules await after their `except` clauses, never inside one."""
+    found = {
+        module: lines
+        for module in COMPILED_MODULES
+        if (
+            lines := suspensions_in_except(
+                (ROOT.parent / f"{module.replace('.', '/')}.py").read_text()
+            )
+        )
+    }
+    assert found == {}
+
+
+def test_the_suspension_check_finds_an_await_in_an_except_clause() -> None:
+    source = (
+        "async def f():\n"
+        "    try:\n"
+        "        await g()\n"
+        "    except OSError:\n"
+        "        async with h():\n"
+        "            await g()\n"
+    )
+    assert suspensions_in_except(source) == [5, 6]
 
 
 def test_the_checks_find_a_circle_and_an_arrow_up(tmp_path: Path) -> None:

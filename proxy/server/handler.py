@@ -119,6 +119,9 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
     # the `except` clauses, never inside one: a compiled coroutine suspended in one leaves its
     # exception as the one being handled for whatever else the loop runs meanwhile.
     resumable_since_cancel: bool | None = None
+    # A stream its caller cancelled that stopped after a whole event: ended as a complete
+    # response, after the `except` clauses too.
+    ended_at_boundary: web.StreamResponse | None = None
     try:
         try:
             # 3. Forward and relay, bounded by the whole-request timeout when one is set.
@@ -162,23 +165,23 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
                     )
                     return response
                 sent = response_started(state)
-                if sent is not None:  # cut mid-response: the status it started with stands
-                    state.ending = Ending(outcome, sent.status)
-                    if outcome is Outcome.CANCELLED and state.relay is not None:
-                        if state.relay.ended_at_boundary:
-                            # Its caller cancelled it and its stream stopped after a whole event:
-                            # it ends as a complete HTTP response, not a cut one.
-                            asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                            await end_stream(sent)
-                            return sent
+                if sent is None:
+                    # tether cancelled it (admin abort, shutdown) before any byte went out and
+                    # the client is still there: it gets a 503 it may retry elsewhere, then the
+                    # connection closes.
+                    asyncio.current_task().uncancel()  # type: ignore[union-attr]
+                    stopped = _stopped_by_tether(outcome)
+                    state.ending = Ending(outcome, stopped.status, stopped)
+                    return error_response(stopped, settings.request_id_header, client_request_id)
+                # Cut mid-response: the status it started with stands.
+                state.ending = Ending(outcome, sent.status)
+                relay = state.relay
+                if outcome is not Outcome.CANCELLED or relay is None or not relay.ended_at_boundary:
                     raise
-                # tether cancelled it (admin abort, shutdown) before any byte went out and the
-                # client is still there: it gets a 503 it may retry elsewhere, then the
-                # connection closes.
+                # Its caller cancelled it and its stream stopped after a whole event: it ends
+                # as a complete HTTP response (5e), not a cut one.
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]
-                stopped = _stopped_by_tether(outcome)
-                state.ending = Ending(outcome, stopped.status, stopped)
-                return error_response(stopped, settings.request_id_header, client_request_id)
+                ended_at_boundary = sent
         except (ClientGoneError, SinkClosedError):
             # 5b. A write found the client's socket closing, or the relay its sink. The response
             # goes back to aiohttp, whose last write fails quietly on the closed socket (an
@@ -213,7 +216,11 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
                 settings.request_id_header,
             )
             return response
-        # 5e. The client's connection is gone, but its stream may be resumed: held for the
+        if ended_at_boundary is not None:
+            # 5e. Cancelled by its caller at an event's boundary: the stream's clean end.
+            await end_stream(ended_at_boundary)
+            return ended_at_boundary
+        # 5f. The client's connection is gone, but its stream may be resumed: held for the
         # grace, carried on by a resume, or stopped as for any client that left.
         assert resumable_since_cancel is not None
         state.ending = await _held_or_gone(ctx, state, cancelled=resumable_since_cancel)

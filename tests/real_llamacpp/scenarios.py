@@ -160,6 +160,8 @@ class Stop:
 
 CANCELLED = "cancelled"
 RAN_TO_END = "ran to its end"
+# Through tether: dropped from tether's own queue, never sent to llama-server.
+NEVER_SENT = "never sent"
 
 
 def record_stop(measurements: Measurements, phase: str, way: str, stop: Stop) -> None:
@@ -261,17 +263,18 @@ def leave_generating(stack: Stack, way: str, name: str, rng: random.Random) -> S
 
 
 @contextmanager
-def occupied(stack: Stack, *payloads: Any) -> Iterator[list[int]]:
-    """Other clients' requests straight to llama-server, each launched in a slot before the
-    next is sent; their tasks. On exit each is closed and its slot released (a stream at
-    once, a non-streaming one at llama-server's next look)."""
+def occupied(stack: Stack, *payloads: Any, way: str = ALONE) -> Iterator[list[int]]:
+    """Other clients' requests, straight to llama-server (or through tether, where all of a
+    pod's traffic goes), each launched in a slot before the next is sent; their tasks. On
+    exit each is closed and its slot released (a stream at once, a non-streaming one at
+    llama-server's next look)."""
     events = stack.llamacpp.events
     with ExitStack() as cleanup:
         tasks: list[int] = []
         exchanges: list[RawExchange] = []
         mark = events.mark()
-        for payload in payloads:
-            exchange = cleanup.enter_context(direct(stack, payload))
+        for index, payload in enumerate(payloads):
+            exchange = cleanup.enter_context(send(stack, way, f"occupant-{index}", payload))
             exchanges.append(exchange)
             if payload["stream"]:
                 assert exchange.read_head() == 200
@@ -343,25 +346,46 @@ def _next_of(
 
 
 def leave_queued_behind_streams(stack: Stack, way: str, name: str, rng: random.Random) -> Stop:
-    """With both slots busy on other clients' streams, a client's non-streaming request waits
-    in the queue; the client waits a moment and closes. The first stream then ends, and the
-    request takes its slot while the second still streams."""
+    """With both slots busy on other clients' streams (sent the same way), a client's
+    non-streaming request waits in the queue (llama-server's, or tether's, which counts its
+    slots); the client waits a moment and closes. The first stream then ends: straight, the
+    request takes its slot while the second still streams; through tether, llama-server
+    never sees it."""
     events = _evidence(stack)
     payload = chat(QUEUED_ANSWER, stream=False)
     prompt = prompt_tokens(stack, payload)
     mark = events.mark()
-    with occupied(stack, chat(SHORT_STREAM, stream=True), chat(LONG, stream=True)) as occupants:
+    occupants_sent = (chat(SHORT_STREAM, stream=True), chat(LONG, stream=True))
+    with occupied(stack, *occupants_sent, way=way) as occupants:
         exchange = send(stack, way, name, payload)
+        if way == VIA_TETHER:
+            stack.tether.wait_in_flight(name)  # (listed once it is registered)
+            wait_until(
+                lambda: _tether_phase(stack, name) == "queued", 10.0, "tether to queue it", 0.01
+            )
         time.sleep(rng.uniform(0.2, 0.6))  # the client's patience: the scenario
         closed = _close(exchange)
+        if way == VIA_TETHER:
+            wait_until(lambda: _tether_phase(stack, name) is None, 5.0, "tether to drop it", 0.01)
+            dropped = time.time() - closed
         window = SHORT_STREAM_SECONDS + QUEUED_ANSWER_SECONDS + WINDOW
         first = _next_of(stack, mark, occupants, closed, window)
-        assert first is not None, "the queued request neither ran nor was cancelled"
+        if first is None:
+            assert way == VIA_TETHER, "the queued request neither ran nor was cancelled"
+            return Stop(dropped, NEVER_SENT, False, 0, 0)
         stop = _released(events, mark, first.task, closed, prompt, 0, window)
     ran = any(event.task == first.task for event in events.launched(mark))
     if not ran:  # dropped from the queue
         return Stop(events.wall(first) - closed, CANCELLED, False, 0, 0)
     return stop
+
+
+def _tether_phase(stack: Stack, client_request_id: str) -> str | None:
+    """The phase tether lists the request in; None once it is no longer in flight."""
+    for entry in stack.tether.in_flight_requests():
+        if entry.get("client_request_id") == client_request_id:
+            return str(entry["phase"])
+    return None
 
 
 def leave_prefill(

@@ -3,7 +3,8 @@
 lets the request go as soon as it would for the same raw client talking to it directly,
 which is measured beside it. A conversation stream (`X-Conversation-Id`), which
 llama-server never stops for a client that left, tether stops with its
-`DELETE /v1/stream?conv_id=`. The phases neither notices are in test_known_gaps.py."""
+`DELETE /v1/stream?conv_id=`. The phases llama-server alone does not notice are in
+test_unnoticed_phases.py."""
 
 from __future__ import annotations
 
