@@ -46,6 +46,7 @@ class Profile(EngineProfile):
     session_header = None
     sends_aborts = False
     merges_aborts = False
+    blind_while_queued = False
     confirm_rule = UNKNOWN_CONFIRM
     route_missing_statuses = ROUTE_MISSING
     usage_takes_fingerprint = False

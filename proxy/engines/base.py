@@ -376,7 +376,7 @@ class EngineProfile(ABC):
     # The engine does not notice that a queued request's client left while other requests
     # produce results (llama-server's one-second wait, restarted by every result): tether
     # keeps generation requests beyond its slots in its own queue (TETHER_ENGINE_SLOTS).
-    blind_while_queued: ClassVar[bool] = False
+    blind_while_queued: ClassVar[bool]
     # Path prefixes whose GET requests watch work that outlives its connection (a stored
     # background response: `GET /v1/responses/{id}`, streaming or not): a client leaving one
     # only stopped watching, so no abort is sent and the response is read to its end, as for

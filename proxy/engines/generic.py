@@ -45,6 +45,7 @@ class Profile(EngineProfile):
     sends_aborts = True
     # A template names one request.
     merges_aborts = False
+    blind_while_queued = False
     confirm_rule = UNKNOWN_CONFIRM
     route_missing_statuses = ROUTE_MISSING
     usage_takes_fingerprint = False

@@ -255,6 +255,7 @@ class Profile(EngineProfile):
     sends_aborts = True
     # `{"rid": ...}` names one request (a batch's items one call each).
     merges_aborts = False
+    blind_while_queued = False
     confirm_rule = CONFIRM
     route_missing_statuses = ROUTE_MISSING
     usage_takes_fingerprint = False

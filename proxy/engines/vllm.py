@@ -215,6 +215,7 @@ class Profile(EngineProfile):
     sends_aborts = True
     # One call names many requests: `{"request_ids": [...]}`.
     merges_aborts = True
+    blind_while_queued = False
     confirm_rule = CONFIRM
     route_missing_statuses = ROUTE_MISSING
     # vLLM 0.32 writes its system_fingerprint on a stream's finishing chunks, unless the
