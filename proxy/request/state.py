@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from aiohttp import web
 
@@ -35,67 +34,131 @@ class Stopping(Protocol):
     on_stopped: Callable[[int | None], None] | None
 
 
-@dataclass(frozen=True, slots=True)
 class Ending:
-    """How the handler decided a request ended: what the accounting reports."""
+    """How the handler decided a request ended: what the accounting reports. Never changed
+    once made (a plain class for the reason `RequestState` is one)."""
 
-    outcome: Outcome
-    status: int  # as the client saw it (499: it left first)
-    error: TetherError | None = None
-    exc: BaseException | None = None  # a bug's exception: its traceback goes in the log
+    __slots__ = ("error", "exc", "outcome", "status")
+
+    def __init__(
+        self,
+        outcome: Outcome,
+        status: int,
+        error: TetherError | None = None,
+        exc: BaseException | None = None,
+    ) -> None:
+        self.outcome: Final = outcome
+        self.status: Final = status  # as the client saw it (499: it left first)
+        self.error: Final = error
+        self.exc: Final = exc  # a bug's exception: its traceback goes in the log
 
 
-@dataclass(slots=True, eq=False)
 class RequestState:
-    """One in-flight request. Times are `time.monotonic()` readings, as everywhere in tether."""
+    """One in-flight request. Times are `time.monotonic()` readings, as everywhere in tether.
 
-    client_request_id: str
-    internal_request_id: str
-    method: str
-    path: str
-    route_label: str  # the path as a metric label
-    route: Route | None  # its engine route; None: read-only, outside the route table
-    # The engine profile it is served with from start to end (the one in force when it
-    # arrived: `engine_identity`).
-    engine: EngineProfile
-    task: asyncio.Task[object] | None = None
-    # The client connection it arrived on (for the drain: connections serving no request
-    # are closed at once).
-    connection: Hashable | None = None
-    span: RequestSpan | None = None
-    started_at: float = field(default_factory=time.monotonic)
-    phase: Phase = Phase.BODY
-    id_in_header: bool = False  # the client named the request in the request-ID header
-    websocket: bool = False  # it asks for a WebSocket session
-    # The keyed hash of the credential it carried (`wire.callers`), never the credential:
-    # only the same caller cancels or lists it. None: it carried none.
-    caller: bytes | None = None
-    # The session the client named in the engine's session header (llama.cpp's
-    # X-Conversation-Id): the engine runs it on after the connection closes.
-    engine_session: str | None = None
-    body: BodyFacts = NOTHING_LEARNT  # what tether learnt from its body, once sent
-    # The client's ID as the engine would have written it into its answer, where that is
-    # not `client_request_id` (SGLang answers with a body `rid` over the header's).
-    echo_id: str | None = None
-    # The engine slots it holds or waits for (TETHER_ENGINE_SLOTS), once its body was read.
-    slots: SlotGrant | None = None
-    upstream: UpstreamExchange | None = None  # its exchange with the engine, once begun
-    relay: ResponseRelay | None = None  # where the engine's response goes, once it began
-    client_response: web.StreamResponse | None = None  # once its head was built
-    # Its stream, once it relays one its client may resume (TETHER_RESUME_GRACE).
-    held: HeldStream | None = None
-    # The client's side of a WebSocket session, once the engine took it (the engine's side
-    # is `relay`).
-    tunnel: ClientFrames | None = None
-    stopping: Stopping | None = None  # the abort tracker stops the engine's work for it
-    # How stopping its engine work ended, once counted (what a canceller is told).
-    stop_result: AbortResult | None = None
-    # Resolved when it leaves the registry; made only by a canceller waiting for that.
-    left: asyncio.Future[None] | None = None
-    upstream_cancelled: bool = False  # tether stopped work the engine was doing for it
-    # Set when tether itself ends the request (`stop`).
-    stopped_by: Outcome | None = None
-    ending: Ending | None = None  # set once, by the handler
+    A plain class rather than a dataclass: compiled, a dataclass is built by the `__init__`
+    that `dataclasses` generates, which runs interpreted (some 10,000 instructions a
+    request here)."""
+
+    __slots__ = (
+        "body",
+        "caller",
+        "client_request_id",
+        "client_response",
+        "connection",
+        "echo_id",
+        "ending",
+        "engine",
+        "engine_session",
+        "held",
+        "id_in_header",
+        "internal_request_id",
+        "left",
+        "method",
+        "path",
+        "phase",
+        "relay",
+        "route",
+        "route_label",
+        "slots",
+        "span",
+        "started_at",
+        "stop_result",
+        "stopped_by",
+        "stopping",
+        "task",
+        "tunnel",
+        "upstream",
+        "upstream_cancelled",
+        "websocket",
+    )
+
+    def __init__(
+        self,
+        client_request_id: str,
+        internal_request_id: str,
+        method: str,
+        path: str,
+        route_label: str,
+        route: Route | None,
+        engine: EngineProfile,
+        *,
+        task: asyncio.Task[object] | None = None,
+        connection: Hashable | None = None,
+        id_in_header: bool = False,
+        websocket: bool = False,
+        caller: bytes | None = None,
+        engine_session: str | None = None,
+    ) -> None:
+        self.client_request_id = client_request_id
+        self.internal_request_id = internal_request_id
+        self.method = method
+        self.path = path
+        self.route_label = route_label  # the path as a metric label
+        # Its engine route; None: read-only, outside the route table.
+        self.route = route
+        # The engine profile it is served with from start to end (the one in force when it
+        # arrived: `engine_identity`).
+        self.engine = engine
+        self.task = task
+        # The client connection it arrived on (for the drain: connections serving no
+        # request are closed at once).
+        self.connection = connection
+        self.span: RequestSpan | None = None
+        self.started_at = time.monotonic()
+        self.phase = Phase.BODY
+        self.id_in_header = id_in_header  # the client named it in the request-ID header
+        self.websocket = websocket  # it asks for a WebSocket session
+        # The keyed hash of the credential it carried (`wire.callers`), never the
+        # credential: only the same caller cancels or lists it. None: it carried none.
+        self.caller = caller
+        # The session the client named in the engine's session header (llama.cpp's
+        # X-Conversation-Id): the engine runs it on after the connection closes.
+        self.engine_session = engine_session
+        self.body: BodyFacts = NOTHING_LEARNT  # what tether learnt from its body, once sent
+        # The client's ID as the engine would have written it into its answer, where that
+        # is not `client_request_id` (SGLang answers with a body `rid` over the header's).
+        self.echo_id: str | None = None
+        # The engine slots it holds or waits for (TETHER_ENGINE_SLOTS), once its body was
+        # read.
+        self.slots: SlotGrant | None = None
+        self.upstream: UpstreamExchange | None = None  # its exchange with the engine
+        self.relay: ResponseRelay | None = None  # where the engine's response goes
+        self.client_response: web.StreamResponse | None = None  # once its head was built
+        # Its stream, once it relays one its client may resume (TETHER_RESUME_GRACE).
+        self.held: HeldStream | None = None
+        # The client's side of a WebSocket session, once the engine took it (the engine's
+        # side is `relay`).
+        self.tunnel: ClientFrames | None = None
+        self.stopping: Stopping | None = None  # the abort tracker stops the engine's work
+        # How stopping its engine work ended, once counted (what a canceller is told).
+        self.stop_result: AbortResult | None = None
+        # Resolved when it leaves the registry; made only by a canceller waiting for that.
+        self.left: asyncio.Future[None] | None = None
+        self.upstream_cancelled = False  # tether stopped work the engine was doing for it
+        # Set when tether itself ends the request (`stop`).
+        self.stopped_by: Outcome | None = None
+        self.ending: Ending | None = None  # set once, by the handler
 
     def stop(self, reason: Outcome) -> bool:
         """End the request from outside its handler (an operator's abort, its caller's

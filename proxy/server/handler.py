@@ -14,7 +14,6 @@ or a write finds the client's socket closing; both take `_client_gone`.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from aiohttp import web
 from multidict import istr
@@ -299,14 +298,17 @@ def _takes_a_slot(request: web.BaseRequest, state: RequestState) -> bool:
     )
 
 
-@dataclass(frozen=True, slots=True)
 class _Outgoing:
-    """What goes to the engine: its head, its body, and how many requests it runs for it."""
+    """What goes to the engine: its head, its body, and how many requests it runs for it (a
+    plain class for the reason `RequestState` is one)."""
 
-    head: bytes
-    body: RequestBody
-    chunked: bool
-    engine_requests: int
+    __slots__ = ("body", "chunked", "engine_requests", "head")
+
+    def __init__(self, head: bytes, body: RequestBody, chunked: bool, engine_requests: int) -> None:
+        self.head = head
+        self.body = body
+        self.chunked = chunked
+        self.engine_requests = engine_requests
 
 
 async def _outgoing(request: web.BaseRequest, state: RequestState, ctx: ProxyContext) -> _Outgoing:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -594,7 +594,7 @@ def answer_failure(
             request.transport.close()
         if told:  # reported as it would be without keep-alive: the client has the error
             return sent, ending
-        return sent, replace(ending, status=sent.status)
+        return sent, Ending(ending.outcome, sent.status, ending.error, ending.exc)
     return error_response(ending.error, request_id_header, state.client_request_id), ending
 
 
