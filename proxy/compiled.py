@@ -23,10 +23,10 @@ from types import ModuleType
 # life and the stops of the engine's work included (tests reach them through `proxy.faults`,
 # never by patching, so they compile). Not compiled: `engines/token_shapes.py`, the data the
 # token counter reads (mypyc's dataclasses take ClassVar declarations for fields,
-# mypyc/mypyc#1122), and `request/body.py` (the streamed body is an async generator, which mypyc
-# does not compile). (`request/state.py`'s dataclass once failed at import compiled, on a
-# field annotated `object`: `KeyError: 'object'` from mypyc 1.x; its fields name no builtin
-# type bare.)
+# mypyc/mypyc#1122), and `request/body_stream.py` (the streamed body is an async generator,
+# which mypyc does not compile). (`request/state.py`'s dataclass once failed at import
+# compiled, on a field annotated `object`: `KeyError: 'object'` from mypyc 1.x; its classes
+# are plain ones now.)
 COMPILED_MODULES = (
     "proxy.upstream.connection",
     "proxy.upstream.exchange",
@@ -44,6 +44,7 @@ COMPILED_MODULES = (
     "proxy.server.handler",
     "proxy.server.respond",
     "proxy.request.naming",
+    "proxy.request.body",
     "proxy.request.state",
     "proxy.server.context",
     "proxy.request.abort_report",

@@ -16,18 +16,14 @@ out of it. A body read whole is not decoded whole to learn the few members tethe
 
 from __future__ import annotations
 
-import asyncio
 import re
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 from multidict import CIMultiDict, istr
 
 from ..engines import BodyField, JsonRule, Route
 from ..errors import (
-    ClientBodyTimeoutError,
     InvalidRequestBodyError,
     RequestBodyTooComplexError,
     RequestBodyTooLargeError,
@@ -40,6 +36,7 @@ from ..wire.json_members import (
     JsonObject,
     RawJson,
 )
+from .body_stream import read_chunk, stream_body
 
 _CONTENT_TYPE = istr("Content-Type")
 # A body that asks for a stream, as written (a spelling that hides it only loses usage).
@@ -56,42 +53,66 @@ _EXPECT = istr("Expect")
 _NOT_ASSEMBLED = ("tools", "functions", "tool_choice")
 
 
-@dataclass(frozen=True, slots=True)
 class BodyFacts:
     """What tether learnt from a request's body on the way to the engine (`NOTHING_LEARNT`
-    for a body it did not read, or before it was sent)."""
+    for a body it did not read, or before it was sent). Never changed once made (a plain
+    class, not a dataclass, for the reason `state.RequestState` is one)."""
 
-    # The client asked the engine to keep working after the connection closes (Responses
-    # API `"background": true`): such a request is never aborted on a disconnect.
-    background: bool = False
-    # How many prompts the list in the route's `fan_out` field holds; None: one prompt.
-    batch: int | None = None
-    # How many samples it asks for (`n`).
-    samples: int = 1
-    # tether asked the engine for the stream's usage, which the client did not ask for: the
-    # usage event is taken out of what the client gets.
-    usage_asked: bool = False
-    # The body's `model`, where tether read the body.
-    model: str | None = None
-    # The ID the client named the request by in the body (vLLM's `request_id`, SGLang's
-    # `rid`), which the engine would have written into its answer.
-    client_id: str | None = None
-    # The body's `stream`, where tether read the body (None: not read).
-    stream: bool | None = None
-    # A non-streaming request tether sent as a stream (usage asked): its answer is
-    # assembled from the events (`Route.assembles_answer`).
-    assembled: bool = False
+    __slots__ = (
+        "assembled",
+        "background",
+        "batch",
+        "client_id",
+        "model",
+        "samples",
+        "stream",
+        "usage_asked",
+    )
+
+    def __init__(
+        self,
+        *,
+        background: bool = False,
+        batch: int | None = None,
+        samples: int = 1,
+        usage_asked: bool = False,
+        model: str | None = None,
+        client_id: str | None = None,
+        stream: bool | None = None,
+        assembled: bool = False,
+    ) -> None:
+        # The client asked the engine to keep working after the connection closes
+        # (Responses API `"background": true`): such a request is never aborted on a
+        # disconnect.
+        self.background: Final = background
+        # How many prompts the list in the route's `fan_out` field holds; None: one prompt.
+        self.batch: Final = batch
+        self.samples: Final = samples  # how many samples it asks for (`n`)
+        # tether asked the engine for the stream's usage, which the client did not ask for:
+        # the usage event is taken out of what the client gets.
+        self.usage_asked: Final = usage_asked
+        self.model: Final = model  # the body's `model`, where tether read the body
+        # The ID the client named the request by in the body (vLLM's `request_id`, SGLang's
+        # `rid`), which the engine would have written into its answer.
+        self.client_id: Final = client_id
+        # The body's `stream`, where tether read the body (None: not read).
+        self.stream: Final = stream
+        # A non-streaming request tether sent as a stream (usage asked): its answer is
+        # assembled from the events (`Route.assembles_answer`).
+        self.assembled: Final = assembled
 
 
 NOTHING_LEARNT = BodyFacts()
 
 
-@dataclass(slots=True)
 class OutgoingBody:
     """What goes to the engine, and what tether learnt from the body on the way."""
 
-    body: RequestBody
-    facts: BodyFacts = NOTHING_LEARNT
+    __slots__ = ("body", "facts")
+
+    def __init__(self, body: RequestBody, facts: BodyFacts = NOTHING_LEARNT) -> None:
+        self.body = body
+        self.facts = facts
 
     @property
     def streamed(self) -> bool:
@@ -259,30 +280,21 @@ def _passed_through(request: web.BaseRequest, timeout: float, start: bytes = b""
     TETHER_MAX_STREAMED_UPLOADS's places); else streamed as it arrives."""
     content = request.content
     if content.is_eof():
-        return start + content.read_nowait()
+        arrived: bytes = content.read_nowait()
+        return start + arrived
     return stream_body(request, timeout, start)
-
-
-async def stream_body(
-    request: web.BaseRequest, timeout: float, start: bytes = b""
-) -> AsyncIterator[bytes]:
-    """The body as it arrives (after `start`, what was already read of it)."""
-    if start:
-        yield start
-    while chunk := await _read_chunk(request, timeout):
-        yield chunk
 
 
 async def _read_whole(request: web.BaseRequest, limit: int, timeout: float) -> bytes:
     content = request.content
     if content.is_eof():  # all of it arrived already (most requests): one read, no awaits
-        whole = content.read_nowait()
+        whole: bytes = content.read_nowait()
         if len(whole) > limit:
             raise _too_large(limit)
         return whole
     chunks: list[bytes] = []
     size = 0
-    while chunk := await _read_chunk(request, timeout):
+    while chunk := await read_chunk(request, timeout):
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
@@ -292,20 +304,6 @@ async def _read_whole(request: web.BaseRequest, limit: int, timeout: float) -> b
 
 def _too_large(limit: int) -> RequestBodyTooLargeError:
     return RequestBodyTooLargeError(f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)")
-
-
-async def _read_chunk(request: web.BaseRequest, timeout: float) -> bytes:
-    """The next piece of the client's body (b"" at its end), bounded by the body timeout."""
-    content = request.content
-    if content.is_eof():  # all of it arrived already (most requests): nothing to wait for
-        return await content.readany()
-    try:
-        async with asyncio.timeout(timeout):
-            return await content.readany()
-    except TimeoutError:
-        raise ClientBodyTimeoutError(
-            f"the client sent no body data for TETHER_CLIENT_BODY_TIMEOUT={timeout}s"
-        ) from None
 
 
 def _mentions(body: bytes, field: BodyField) -> bool:
@@ -326,7 +324,7 @@ async def _read_start(request: web.BaseRequest, timeout: float, json_rule: JsonR
     while (
         len(start) < json_rule.sniff_bytes and json_rule.could_be_object(start, final=False) is None
     ):
-        chunk = await _read_chunk(request, timeout)
+        chunk = await read_chunk(request, timeout)
         if not chunk:
             break
         start += chunk
