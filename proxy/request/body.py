@@ -22,7 +22,7 @@ from typing import Any, Final
 from aiohttp import web
 from multidict import CIMultiDict, istr
 
-from ..engines import BodyField, JsonRule, Route
+from ..engines import JsonRule, Route
 from ..errors import (
     InvalidRequestBodyError,
     RequestBodyTooComplexError,
@@ -164,8 +164,12 @@ async def outgoing_body(
         _check_declared_length(request, max_json_body)
     body = start + await _read_whole(request, max_json_body - len(start), body_timeout)
     assert route is not None
-    maybe = [field for field in fields if field.always or _mentions(body, field)]
-    names_id = id_field is not None and _mentions(body, id_field)
+    # A field's name as written, or a body that could spell it otherwise (`\u` escapes in a
+    # name, a UTF-16 or UTF-32 body): then it is parsed. (Searched once per body: each
+    # search costs some 0.3 µs even in a small one.)
+    disguised = b"\\u" in body or b"\x00" in body
+    maybe = [field for field in fields if field.always or disguised or field.quoted_name in body]
+    names_id = id_field is not None and (disguised or id_field.quoted_name in body)
     # Not parsed only to learn that a request does not stream (most non-streaming ones).
     usage = usage and _ASKS_FOR_STREAM.search(body) is not None
     if not (
@@ -250,10 +254,10 @@ def _assemblable(document: JsonMembers) -> bool:
 
 
 def _check_declared_length(request: web.BaseRequest, limit: int) -> None:
-    if request.content_length is not None and request.content_length > limit:
+    declared: int | None = request.content_length  # (parsed from the header at each read)
+    if declared is not None and declared > limit:
         raise RequestBodyTooLargeError(
-            f"the JSON body is {request.content_length} bytes; the limit is {limit} "
-            "(TETHER_MAX_JSON_BODY)"
+            f"the JSON body is {declared} bytes; the limit is {limit} (TETHER_MAX_JSON_BODY)"
         )
 
 
@@ -304,12 +308,6 @@ async def _read_whole(request: web.BaseRequest, limit: int, timeout: float) -> b
 
 def _too_large(limit: int) -> RequestBodyTooLargeError:
     return RequestBodyTooLargeError(f"the JSON body exceeds {limit} bytes (TETHER_MAX_JSON_BODY)")
-
-
-def _mentions(body: bytes, field: BodyField) -> bool:
-    """Whether the body may hold the field: its name as written, or a body that could spell
-    it otherwise (`\\u` escapes in a name, a UTF-16 or UTF-32 body): then it is parsed."""
-    return field.quoted_name in body or b"\\u" in body or b"\x00" in body
 
 
 async def _send_continue_if_asked(request: web.BaseRequest) -> None:

@@ -64,11 +64,16 @@ def _end_to_end(
 ) -> CIMultiDict[str]:
     """A copy of `headers` without hop-by-hop ones, those named in `Connection` (never the
     fields of `_NEVER_CONNECTION_NAMED` or `keep`, the client's request-ID header) and
-    `also_drop` (copy, then remove: a few lookups in C instead of a pass in Python)."""
-    result = CIMultiDict(headers)
-    for name in _dropped(also_drop) | _connection_named(headers, _kept(keep)):
-        if name in result:
-            result.popall(name)
+    `also_drop`. (One compiled pass over the few headers a request has: cheaper than a copy
+    and a case-insensitive lookup of each of the dozen names dropped.)"""
+    dropped = _dropped(also_drop)
+    named = _connection_named(headers, _kept(keep))
+    if named:
+        dropped = dropped | named
+    result: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        if name.lower() not in dropped:
+            result.add(name, value)
     return result
 
 
