@@ -92,6 +92,23 @@ async def _resume(
     return await http.get(f"http://127.0.0.1:{port}/v1/requests/{request_id}/stream", headers=asked)
 
 
+async def _read_then_drop(
+    http: aiohttp.ClientSession,
+    port: int,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    count: int,
+    path: str = "/v1/chat/completions",
+) -> list[bytes]:
+    """A stream through tether: its first `count` events read, then its connection dropped
+    (the client's network gone)."""
+    response = await http.post(f"http://127.0.0.1:{port}{path}", json=body, headers=headers)
+    try:
+        return await _events(response, count)
+    finally:
+        response.close()
+
+
 async def _held(server: Any, count: int = 1) -> None:
     registry = server.context.metrics.registry
     await poll_until(
@@ -119,13 +136,10 @@ async def test_a_resumed_stream_gets_every_remaining_event_exactly_once_and_the_
     whole = await _uninterrupted(http, server.port, path, body)
     engine.generations.clear()
 
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}{path}",
-        json=body,
-        headers={"X-Request-Id": f"job-{api}", **ALICE},
+    # The client reads 4 events, and its connection drops mid-stream.
+    before = await _read_then_drop(
+        http, server.port, body, {"X-Request-Id": f"job-{api}", **ALICE}, 4, path=path
     )
-    before = await _events(first, 4)
-    first.close()  # the connection drops mid-stream
     await _held(server)
     async with await _resume(http, server.port, f"job-{api}", ALICE, _id_of(before[-1])) as again:
         assert again.status == 200
@@ -155,13 +169,7 @@ async def test_a_stream_nobody_resumes_is_aborted_after_the_grace_and_its_tokens
     grace = 1.0
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     server = await tether(engine_url, resume_grace=grace)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=100_000),
-        headers=ALICE,
-    )
-    await _events(first, 3)
-    first.close()
+    await _read_then_drop(http, server.port, chat_body(max_tokens=100_000), ALICE, 3)
     left = time.monotonic()
     generation = _generation(engine)
     await engine.wait_for(lambda: generation.state is not GenerationState.RUNNING, timeout=10)
@@ -187,13 +195,9 @@ async def test_only_the_streams_own_caller_can_resume_it(
     nothing: the owner still resumes the stream afterwards."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     server = await tether(engine_url, resume_grace=GRACE)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=60),
-        headers={"X-Request-Id": "mine", **ALICE},
+    before = await _read_then_drop(
+        http, server.port, chat_body(max_tokens=60), {"X-Request-Id": "mine", **ALICE}, 2
     )
-    before = await _events(first, 2)
-    first.close()
     await _held(server)
 
     for request_id, headers in (("mine", BOB), ("mine", {}), ("nobodys", ALICE)):
@@ -232,13 +236,9 @@ async def test_a_stream_that_ends_while_held_is_resumed_to_its_end(
     included, and a clean end; the engine was never aborted."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     server = await tether(engine_url, resume_grace=GRACE)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=30),
-        headers={"X-Request-Id": "late", **ALICE},
+    before = await _read_then_drop(
+        http, server.port, chat_body(max_tokens=30), {"X-Request-Id": "late", **ALICE}, 2
     )
-    before = await _events(first, 2)
-    first.close()
     generation = _generation(engine)
     await engine.wait_for(lambda: generation.state is GenerationState.COMPLETED, timeout=5)
     async with await _resume(http, server.port, "late", ALICE, _id_of(before[-1])) as again:
@@ -255,13 +255,9 @@ async def test_a_stream_resumed_twice_loses_and_repeats_nothing(
     makes the whole stream, each token once."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     server = await tether(engine_url, resume_grace=GRACE)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=60),
-        headers={"X-Request-Id": "twice", **ALICE},
+    one = await _read_then_drop(
+        http, server.port, chat_body(max_tokens=60), {"X-Request-Id": "twice", **ALICE}, 3
     )
-    one = await _events(first, 3)
-    first.close()
     await _held(server)
     second = await _resume(http, server.port, "twice", ALICE, _id_of(one[-1]))
     two = await _events(second, 5)
@@ -304,13 +300,7 @@ async def test_a_held_stream_past_its_buffer_is_aborted_before_the_grace(
     held on to the end of a long grace; the engine is aborted as for a client that left."""
     engine, engine_url = await fake_engine(token_interval=0.001)
     server = await tether(engine_url, resume_grace=60, resume_buffer=4096)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=100_000),
-        headers=ALICE,
-    )
-    await _events(first, 2)
-    first.close()
+    await _read_then_drop(http, server.port, chat_body(max_tokens=100_000), ALICE, 2)
     generation = _generation(engine)
     await engine.wait_for(lambda: generation.state is not GenerationState.RUNNING, timeout=10)
     assert generation.stopped_by == "abort"
@@ -327,15 +317,10 @@ async def test_a_resume_from_events_no_longer_held_or_never_sent_is_refused(
     for a valid resume."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     server = await tether(engine_url, resume_grace=GRACE, resume_buffer=4096)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        # (an engine that then stalls: nothing more comes while the client is away)
-        json=chat_body(max_tokens=100_000, stall_after=60),
-        headers={"X-Request-Id": "far", **ALICE},
-    )
     # Far more than the 2 KiB kept while the client reads go by: the oldest are dropped.
-    events = await _events(first, 61)
-    first.close()
+    # (An engine that then stalls: nothing more comes while the client is away.)
+    body = chat_body(max_tokens=100_000, stall_after=60)
+    events = await _read_then_drop(http, server.port, body, {"X-Request-Id": "far", **ALICE}, 61)
     await _held(server)
     for last, status, code in (
         (0, 410, "events_no_longer_held"),
@@ -367,13 +352,9 @@ async def test_a_held_stream_cancelled_by_its_caller_is_aborted_at_once(
     resumed."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     server = await tether(engine_url, resume_grace=60)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=100_000),
-        headers={"X-Request-Id": "stop-me", **ALICE},
+    await _read_then_drop(
+        http, server.port, chat_body(max_tokens=100_000), {"X-Request-Id": "stop-me", **ALICE}, 2
     )
-    await _events(first, 2)
-    first.close()
     await _held(server)
     asked = time.monotonic()
     async with http.post(
@@ -410,13 +391,9 @@ async def test_a_resume_reaching_another_replica_is_relayed_from_the_one_that_ho
         resume_grace=GRACE,
         fleet_peers=(f"127.0.0.1:{holder.admin_port}",),
     )
-    first = await http.post(
-        f"http://127.0.0.1:{holder.port}/v1/chat/completions",
-        json=chat_body(max_tokens=60),
-        headers={"X-Request-Id": "roamer", **ALICE},
+    before = await _read_then_drop(
+        http, holder.port, chat_body(max_tokens=60), {"X-Request-Id": "roamer", **ALICE}, 3
     )
-    before = await _events(first, 3)
-    first.close()
     await _held(holder)
 
     async with await _resume(http, asked.port, "roamer", BOB, _id_of(before[-1])) as refused:
@@ -439,13 +416,9 @@ async def test_a_resumed_stream_keeps_its_keepalive_comments(
     keepalive = 0.25
     _, engine_url = await fake_engine(token_interval=4 * keepalive)
     server = await tether(engine_url, resume_grace=GRACE, sse_keepalive=keepalive)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=4),
-        headers={"X-Request-Id": "quiet", **ALICE},
+    before = await _read_then_drop(
+        http, server.port, chat_body(max_tokens=4), {"X-Request-Id": "quiet", **ALICE}, 2
     )
-    before = await _events(first, 2)
-    first.close()
     await _held(server)
     last = max(_id_of(event) for event in before if event.startswith(b"id: "))
     async with await _resume(http, server.port, "quiet", ALICE, last) as again:
@@ -475,13 +448,9 @@ async def test_a_resumed_stream_is_still_bounded_by_the_whole_request_timeout(
     stream is cut when it passes, and the engine's work is stopped."""
     engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
     server = await tether(engine_url, resume_grace=GRACE, request_timeout=1.5)
-    first = await http.post(
-        f"http://127.0.0.1:{server.port}/v1/chat/completions",
-        json=chat_body(max_tokens=100_000),
-        headers={"X-Request-Id": "bounded", **ALICE},
+    before = await _read_then_drop(
+        http, server.port, chat_body(max_tokens=100_000), {"X-Request-Id": "bounded", **ALICE}, 2
     )
-    before = await _events(first, 2)
-    first.close()
     await _held(server)
     async with await _resume(http, server.port, "bounded", ALICE, _id_of(before[-1])) as again:
         after = await _events(again)
