@@ -161,6 +161,10 @@ def test_package_inits_are_empty_but_the_engines_registry() -> None:
     ] == []
 
 
+def _source(module: str) -> str:
+    return (ROOT.parent / f"{module.replace('.', '/')}.py").read_text()
+
+
 def suspensions_in_except(source: str) -> list[int]:
     """The lines of every `await`, `async for` and `async with` inside an `except` clause."""
     return sorted(
@@ -180,13 +184,52 @@ def test_no_compiled_coroutine_suspends_inside_an_except_clause() -> None:
     found = {
         module: lines
         for module in COMPILED_MODULES
-        if (
-            lines := suspensions_in_except(
-                (ROOT.parent / f"{module.replace('.', '/')}.py").read_text()
-            )
-        )
+        if (lines := suspensions_in_except(_source(module)))
     }
     assert found == {}
+
+
+def exceptions_named_alike(source: str) -> list[str]:
+    """`line: name` of every `except ... as name` in a function that binds the same name to
+    another exception type in another clause."""
+    found = []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        caught: dict[str, str] = {}
+        for node in ast.walk(function):
+            if isinstance(node, ast.ExceptHandler) and node.name and node.type is not None:
+                kind = ast.unparse(node.type)
+                if caught.setdefault(node.name, kind) != kind:
+                    found.append(f"{node.lineno}: {node.name}")
+    return found
+
+
+def test_no_compiled_function_names_two_caught_exception_types_alike() -> None:
+    """Compiled, one name in a function is one variable of one type: `except A as exc` then
+    `except B as exc` fails with a TypeError when B is caught (a bad body once answered 500
+    instead of 400 this way). Each clause names its exception apart."""
+    found = {
+        module: names
+        for module in COMPILED_MODULES
+        if (names := exceptions_named_alike(_source(module)))
+    }
+    assert found == {}
+
+
+def test_the_naming_check_finds_two_types_under_one_name() -> None:
+    source = (
+        "def f():\n"
+        "    try:\n"
+        "        g()\n"
+        "    except KeyError as exc:\n"
+        "        pass\n"
+        "    except ValueError as exc:\n"
+        "        pass\n"
+        "    except ValueError as other:\n"
+        "        pass\n"
+    )
+    assert exceptions_named_alike(source) == ["6: exc"]
 
 
 def test_the_suspension_check_finds_an_await_in_an_except_clause() -> None:

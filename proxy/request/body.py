@@ -217,12 +217,12 @@ async def outgoing_body(
             assembled=assembled,
         )
         return OutgoingBody(document.with_members(values) if values else body, facts)
-    except JsonBodyTooComplex as exc:
-        raise RequestBodyTooComplexError(str(exc)) from None
-    except InvalidJsonBody as exc:
+    except JsonBodyTooComplex as too_complex:
+        raise RequestBodyTooComplexError(str(too_complex)) from None
+    except InvalidJsonBody as invalid:
         if not labelled_json:
             return OutgoingBody(body)  # not JSON after all: nothing for an engine to read
-        raise InvalidRequestBodyError(str(exc)) from None
+        raise InvalidRequestBodyError(str(invalid)) from None
 
 
 def _ask_for_usage(document: JsonMembers, values: dict[str, Any]) -> bool:

@@ -4,10 +4,10 @@ arrival order, instead of in the engine's own queue.
 Why: llama-server notices that a queued request's client left only when its HTTP thread's
 one-second wait for a result times out, and any other request's result restarts that wait;
 so while other clients stream, a request whose client left is never noticed in its queue,
-and runs once a slot frees (ENGINE.md §14). Waiting in tether, the same request is dropped
-the moment its client leaves and never reaches the engine. A request that waits here would
-have waited as long in the engine's queue: the order is the same, and a slot is handed on as
-soon as tether has relayed the end of the request that held it.
+and runs once a slot frees (docs/engines.md, llama.cpp). Waiting in tether, the same request
+is dropped the moment its client leaves and never reaches the engine. A request that waits
+here would have waited as long in the engine's queue: the order is the same, and a slot is
+handed on as soon as tether has relayed the end of the request that held it.
 
 One request takes as many slots as the engine runs tasks for it (prompts times `n`), at most
 all of them. A grant is recorded on the `SlotGrant` at the moment it is made, so a waiter
@@ -110,7 +110,7 @@ class EngineSlots:
         assert size is not None
         while self._waiting:
             grant, woken = self._waiting[0]
-            if woken.cancelled():  # (its request leaves the queue when it next runs)
+            if woken.cancelled():  # (its request was cancelled, not yet run: it has left)
                 self._waiting.popleft()
                 continue
             wanted = min(grant.wanted, size)

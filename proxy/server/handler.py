@@ -130,13 +130,13 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
                 else:
                     async with asyncio.timeout(settings.request_timeout):
                         response = await _forward(request, state, ctx)
-            except TimeoutError as exc:
-                if isinstance(exc, TetherError):
+            except TimeoutError as timed_out:
+                if isinstance(timed_out, TetherError):
                     raise  # tether's own timeouts (connect, idle) already say what happened
                 raise RequestTimeoutError(
                     "the request took longer than "
                     f"TETHER_REQUEST_TIMEOUT={settings.request_timeout}s"
-                ) from exc
+                ) from timed_out
             # 4. Completed: the engine's answer, whatever its status, went to the client in full.
             state.ending = Ending(Outcome.COMPLETED, reported_status(response))
             return response
