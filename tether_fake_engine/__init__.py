@@ -381,9 +381,7 @@ class FakeEngine:
                 replaced.stopped_by = "replaced"
                 replaced.end(GenerationState.ABORTED)
             self.conversations[generation.conversation] = generation
-        generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
-        if self.plays_llamacpp:
-            generation.task.add_done_callback(lambda _: self._free_slots.release())
+        self._start(generation)
         await self._notify()
         try:
             if payload.get("stream"):
@@ -430,8 +428,7 @@ class FakeEngine:
         await slot
         generation = self._new_generation(request, body, payload, knobs)
         self.generations[generation.request_id] = generation
-        generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
-        generation.task.add_done_callback(lambda _: self._free_slots.release())
+        self._start(generation)
         if payload.get("stream") and self.hears_disconnects:
             await generation.tokens.get()  # its first write: the connection is gone
             self.disconnects.append((generation.request_id, time.monotonic()))
@@ -512,6 +509,12 @@ class FakeEngine:
                 else None
             ),
         )
+
+    def _start(self, generation: Generation) -> None:
+        """Its tokens begin; playing llama.cpp, its slot frees when they end."""
+        generation.task = asyncio.get_running_loop().create_task(self._generate(generation))
+        if self.plays_llamacpp:
+            generation.task.add_done_callback(lambda _: self._free_slots.release())
 
     async def _generate(self, generation: Generation) -> None:
         """Produce tokens until done or aborted; the HTTP side only reads them."""
