@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -29,7 +28,7 @@ from ..settings import Settings
 from ..upstream.connection import ResponseHead
 from ..wire.routes import is_allowed
 from .context import ProxyContext
-from .respond import commit_stream, write_comment
+from .respond import KeptAlive, commit_stream, write_comment
 
 
 def keepalive_for(
@@ -51,17 +50,6 @@ def keepalive_for(
     if skipped and is_allowed(request.rel_url.raw_path, skipped):
         return None
     return seconds
-
-
-@dataclass(frozen=True, slots=True)
-class KeptAlive:
-    """A request whose wait for the engine's head was kept alive: its interval, and the
-    client's stream if it began before the head came, last written `quiet_for` seconds
-    before it did."""
-
-    seconds: float
-    committed: web.StreamResponse | None
-    quiet_for: float
 
 
 async def head_kept_alive(

@@ -47,6 +47,7 @@ class EngineIdentity:
         self._asking: asyncio.Task[None] | None = None
         # The engine's slots, where tether keeps the requests beyond them waiting itself.
         self.slots = EngineSlots(metrics.engine_queue, metrics.engine_slots)
+        self.slots.resize(self._slot_count())
         self._show()
 
     async def ask(self) -> None:
@@ -103,6 +104,7 @@ class EngineIdentity:
         if served != self.profile.engine:
             self.profile = engine_profile(self._settings, served)
         self.mismatch = contradiction(self._settings, identity)
+        self.slots.resize(self._slot_count())
         if identity is None:
             log.warning(
                 "engine_not_identified",
@@ -137,7 +139,6 @@ class EngineIdentity:
         return self.identity.slots if self.identity is not None else None
 
     def _show(self) -> None:
-        self.slots.resize(self._slot_count())
         identity = self.identity
         self._metrics.engine_info.labels = (
             self.configured.value,

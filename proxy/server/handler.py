@@ -51,8 +51,9 @@ from ..upstream.exchange import RequestBody, SinkClosedError
 from ..wire.headers import client_head_size, upstream_request_headers
 from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
 from .context import ProxyContext
-from .early_commit import KeptAlive, head_kept_alive, keepalive_for
+from .early_commit import head_kept_alive, keepalive_for
 from .respond import (
+    KeptAlive,
     answer_failure,
     began_early_without_events,
     end_stream,
@@ -238,17 +239,7 @@ async def _forward(
     request: web.BaseRequest, state: RequestState, ctx: ProxyContext
 ) -> web.StreamResponse:
     head, kept_alive = await _answered(request, state, ctx)
-    if kept_alive is None:
-        return await relay_response(request, head, state, ctx)
-    return await relay_response(
-        request,
-        head,
-        state,
-        ctx,
-        keepalive=kept_alive.seconds,
-        committed=kept_alive.committed,
-        quiet_for=kept_alive.quiet_for,
-    )
+    return await relay_response(request, head, state, ctx, kept_alive)
 
 
 async def _answered(

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -86,21 +86,34 @@ class _EarlyStart:
 _EARLY_START = web.ResponseKey("tether_early_start", _EarlyStart)
 
 
+class KeptAlive:
+    """A request whose wait for the engine's head was kept alive (`early_commit`): its
+    interval, and the client's stream if it began before the head came, last written
+    `quiet_for` seconds before it did. (A plain class: one is built per such request.)"""
+
+    __slots__ = ("committed", "quiet_for", "seconds")
+
+    def __init__(
+        self, seconds: float, committed: web.StreamResponse | None, quiet_for: float
+    ) -> None:
+        self.seconds: Final = seconds
+        self.committed: Final = committed
+        self.quiet_for: Final = quiet_for
+
+
 async def relay_response(
     request: web.BaseRequest,
     head: ResponseHead,
     state: RequestState,
     ctx: ProxyContext,
-    *,
-    keepalive: float | None = None,
-    committed: web.StreamResponse | None = None,
-    quiet_for: float = 0.0,
+    kept_alive: KeptAlive | None = None,
 ) -> web.StreamResponse:
     """The engine's response to the client: its head, then its body as the engine sends it,
-    IDs mapped back and tokens counted on the way. With `keepalive` (seconds) a stream gets
-    keep-alive comments while the engine is silent; `committed` is the client's stream begun
-    before the engine answered (`commit_stream`), last written `quiet_for` seconds ago."""
+    IDs mapped back and tokens counted on the way. With `kept_alive` a stream gets keep-alive
+    comments while the engine is silent, and goes on in the client's stream begun before the
+    engine answered (`commit_stream`), if one was."""
     assert state.upstream is not None
+    committed = kept_alive.committed if kept_alive is not None else None
     if head.status == 101:  # only ever accepted for a WebSocket handshake
         return await _relay_websocket(request, head, state, ctx)
     mapper = _id_mapper(head, state)
@@ -136,8 +149,10 @@ async def relay_response(
         rewritten=mapper is not None,
         sse=sse,
         committed=committed,
-        keepalive=keepalive,
-        first_check=max(keepalive - quiet_for, 0.0) if keepalive is not None else 0.0,
+        keepalive=kept_alive.seconds if kept_alive is not None else None,
+        first_check=(
+            max(kept_alive.seconds - kept_alive.quiet_for, 0.0) if kept_alive is not None else 0.0
+        ),
     )
 
 
