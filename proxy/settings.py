@@ -203,7 +203,8 @@ class Settings(EngineSettings, _SettingsHead):
     resume_buffer_total: int = Field(
         64 * 1024 * 1024,
         gt=0,
-        description="Bytes of events held for resumes by all streams of one process together.",
+        description="Bytes of events held for resumes by all streams of one process together "
+        "(with TETHER_WORKERS above 1: of each worker).",
     )
     client_header_timeout: Seconds = Field(
         60.0,
@@ -480,11 +481,6 @@ class Settings(EngineSettings, _SettingsHead):
                 "other request with the same ID is in flight sees one process's requests "
                 "only, and a duplicate on another worker would share the engine's ID (its "
                 "client leaving would abort the other's request)"
-            )
-        if self.resume_grace is not None and self.workers != 1:
-            raise ValueError(
-                "TETHER_RESUME_GRACE needs TETHER_WORKERS=1: a resumed stream is held by the "
-                "process its first connection reached, and a reconnection may reach another"
             )
         if self.resume_buffer > self.resume_buffer_total:
             raise ValueError("TETHER_RESUME_BUFFER must not exceed TETHER_RESUME_BUFFER_TOTAL")

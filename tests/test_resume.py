@@ -19,6 +19,7 @@ from .support.canaries import CANARY_SECRET
 from .support.chat import chat_body, openai_chat_text
 from .support.in_process import TetherFactory, drained, settled
 from .support.metrics import metric
+from .support.processes import TetherProcessFactory
 from .support.raw_http import RawClient
 from .support.upstreams import FakeEngineFactory
 from .support.waiting import poll_until
@@ -404,6 +405,100 @@ async def test_a_resume_reaching_another_replica_is_relayed_from_the_one_that_ho
         after = await _events(again)
     assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(60)]
     assert after[-1].endswith(b"data: [DONE]\n\n")
+    assert engine.aborts == []
+
+
+# Several workers: the kernel spreads connections over them, so streams on connections of
+# their own land on both, and all of them on the resumer's worker once in 2**16 runs.
+SPREAD = 16
+# Long enough for every resume of a spread, one after another, on a loaded machine.
+SPREAD_GRACE = 30.0
+
+
+async def test_a_resume_reaching_another_worker_is_relayed_from_the_one_that_holds_it(
+    fake_engine: FakeEngineFactory, tether_process: TetherProcessFactory
+) -> None:
+    """TETHER_WORKERS=2, no admin token: streams held by both workers are all resumed
+    through one connection (so on one worker), each whole, with no abort; another caller
+    gets 404 there."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    process = await tether_process(
+        engine_url,
+        TETHER_WORKERS="2",
+        TETHER_ADMIN_PORT="0",
+        TETHER_RESUME_GRACE=str(SPREAD_GRACE),
+    )
+    async with aiohttp.ClientSession() as http:
+        before = {
+            f"spread-{index}": await _read_then_drop(
+                http,
+                process.port,
+                chat_body(max_tokens=60),
+                {"X-Request-Id": f"spread-{index}", **ALICE},
+                3,
+            )
+            for index in range(SPREAD)
+        }
+    await poll_until(
+        lambda: len(process.events("stream_held")) == SPREAD, 10, what="every stream held"
+    )
+
+    # Another caller's resumes, each on a connection of its own (a connection's failures
+    # are bounded), are refused whichever worker they reach.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as others:
+        for name in before:
+            async with await _resume(others, process.port, name, BOB, 0) as refused:
+                assert refused.status == 404
+    after: dict[str, list[bytes]] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as one_connection:
+        for name, events in before.items():
+            async with await _resume(
+                one_connection, process.port, name, ALICE, _id_of(events[-1])
+            ) as again:
+                assert again.status == 200
+                after[name] = await _events(again)
+
+    for name, events in before.items():
+        assert _tokens(events) + _tokens(after[name]) == [f"tok{i}" for i in range(60)], name
+        assert after[name][-1].endswith(b"data: [DONE]\n\n")
+    assert engine.aborts == []
+    # Both workers held some: one connection resumed the other worker's.
+    assert {line["worker"] for line in process.events("stream_held")} == {0, 1}
+
+
+async def test_a_resume_from_another_replica_reaches_the_worker_that_holds_it(
+    fake_engine: FakeEngineFactory,
+    tether: TetherFactory,
+    tether_process: TetherProcessFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    """A replica with TETHER_WORKERS=2 holds the stream; a resume reaching another replica
+    with the fleet settings is relayed from it (its supervisor asks its workers), whole."""
+    engine, engine_url = await fake_engine(token_interval=TOKEN_INTERVAL)
+    holder = await tether_process(
+        engine_url,
+        TETHER_WORKERS="2",
+        TETHER_ADMIN_TOKEN=CANARY_SECRET,
+        TETHER_RESUME_GRACE=str(GRACE),
+    )
+    asked = await tether(
+        engine_url,
+        admin_token=CANARY_SECRET,
+        resume_grace=GRACE,
+        fleet_peers=(f"127.0.0.1:{holder.admin_port}",),
+    )
+    before = await _read_then_drop(
+        http, holder.port, chat_body(max_tokens=60), {"X-Request-Id": "far", **ALICE}, 3
+    )
+    await holder.wait_event("stream_held", timeout=10)
+
+    async with await _resume(http, asked.port, "far", BOB, _id_of(before[-1])) as refused:
+        assert refused.status == 404
+    async with await _resume(http, asked.port, "far", ALICE, _id_of(before[-1])) as again:
+        assert again.status == 200
+        assert again.headers["X-Request-Id"] == "far"
+        after = await _events(again)
+    assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(60)]
     assert engine.aborts == []
 
 

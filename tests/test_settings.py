@@ -89,10 +89,6 @@ from .support.settings import make_settings
             {"TETHER_UPSTREAM_URL": "http://x", "TETHER_MAX_STREAMED_UPLOADS": "0"},
             "TETHER_MAX_STREAMED_UPLOADS",
         ),
-        (  # a reconnection may reach another worker, which does not hold the stream
-            {"TETHER_UPSTREAM_URL": "http://x", "TETHER_RESUME_GRACE": "30", "TETHER_WORKERS": "2"},
-            "TETHER_RESUME_GRACE needs TETHER_WORKERS=1",
-        ),
         (
             {
                 "TETHER_UPSTREAM_URL": "http://x",

@@ -7,7 +7,7 @@ internal IDs are the engine's handles (a Responses API `resp_<id>` fetches or ca
 response), so listing them is as sensitive as aborting.
 
 A worker's admin app, served on its private Unix socket only, also answers the other workers'
-cancels and lists for one caller (`/siblings/…`, no token: `siblings` says why).
+cancels, lists and resumes for one caller (`/siblings/…`, no token: `siblings` says why).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def create_admin_app(proxy_app: web.Application, *, for_siblings: bool = False) -> web.Application:
     """The admin app reads the proxy app's context (created by the proxy app's cleanup).
     `for_siblings`: it is a worker's, served on its private socket only, and answers the
-    other workers' cancels and lists there too (`siblings`)."""
+    other workers' cancels, lists and resumes there too (`siblings`)."""
     app = web.Application()
     app[PROXY_APP] = proxy_app
     add_admin_routes(
@@ -56,10 +56,12 @@ def create_admin_app(proxy_app: web.Application, *, for_siblings: bool = False) 
         list_requests=list_requests,
         abort_request=abort_request,
         cancel_request=cancel_request,
+        resume_request=resume_request,
     )
     if for_siblings:
         app.router.add_post(siblings.CANCEL_PATH, sibling_cancel)
         app.router.add_post(siblings.REQUESTS_PATH, sibling_requests)
+        app.router.add_post(siblings.RESUME_PATH, sibling_resume)
     return app
 
 
@@ -71,6 +73,7 @@ def add_admin_routes(
     list_requests: _Handler,
     abort_request: _Handler,
     cancel_request: _Handler,
+    resume_request: _Handler,
 ) -> None:
     """The admin API's routes, one tether's or the supervisor's for its workers: the same
     paths and methods, so an operator, a probe or `tether abort` cannot tell them apart."""
@@ -168,10 +171,20 @@ async def resume_request(request: web.Request) -> web.StreamResponse:
     ctx = _context(request)
     try:
         check_authorised(request, ctx.settings)
-        request_id, caller = await cancel_target(request)
-        last = (await request.json()).get("last_received")
-        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
-            raise InvalidAdminBodyError("last_received must be the last event number received")
+        request_id, caller, last = await resume_target(request)
+    except AdminError as error:
+        return error_response(error)
+    return await request.app[PROXY_APP][CANCEL_ROUTES].resume_local(
+        request, request_id, caller, last
+    )
+
+
+async def sibling_resume(request: web.Request) -> web.StreamResponse:
+    """Another worker's resume: the caller's stream held here, resumed on this connection
+    (the asking worker relays it to its client). No token: only this user's processes reach
+    the socket (`siblings`)."""
+    try:
+        request_id, caller, last = await resume_target(request)
     except AdminError as error:
         return error_response(error)
     return await request.app[PROXY_APP][CANCEL_ROUTES].resume_local(
@@ -252,6 +265,16 @@ async def cancel_target(request: web.Request) -> tuple[str, bytes | None]:
         return request_id, bytes.fromhex(caller) if caller is not None else None
     except (ValueError, KeyError, TypeError, AttributeError):
         raise problem from None
+
+
+async def resume_target(request: web.Request) -> tuple[str, bytes | None, int]:
+    """The request ID, caller hash and last event received that another process's resume
+    names."""
+    request_id, caller = await cancel_target(request)
+    last = (await request.json()).get("last_received")
+    if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+        raise InvalidAdminBodyError("last_received must be the last event number received")
+    return request_id, caller, last
 
 
 def abort_answer(

@@ -25,7 +25,8 @@ on one connection are bounded (then 429 and the connection closes), so IDs canno
 cheaply. An ID not held here is asked of this supervisor's other workers (TETHER_WORKERS > 1,
 over their private sockets: `siblings.Siblings`), then, with the fleet settings, of the other
 replicas over their admin API (`fleet.Fleet.cancel`); `GET /v1/requests` lists the caller's
-requests on every worker.
+requests on every worker. A resume (`GET /v1/requests/{id}/stream`) of a stream not held
+here is relayed the same way from the worker, or the replica, that holds it.
 """
 
 from __future__ import annotations
@@ -172,11 +173,18 @@ class CancelRoutes:
             held = self._held(request_id, caller)
             if held is not None:
                 return await relay_resumed(request, held, self._ctx, after)
-            fleet = self._ctx.fleet
-            if fleet.configured and self._may_act(caller) and _checked(request_id):
-                peer = await fleet.resume(request_id, caller, after)
-                if peer is not None:
-                    return await relay_peer_stream(request, peer, self._ctx)
+            if self._may_act(caller) and _checked(request_id):
+                # Held by another worker of this supervisor, else by another replica.
+                elsewhere = None
+                if self._siblings:
+                    elsewhere = await self._siblings.resume(request_id, caller, after)
+                fleet = self._ctx.fleet
+                if elsewhere is None and fleet.configured:
+                    elsewhere = await fleet.resume(request_id, caller, after)
+                if elsewhere is not None:
+                    return await relay_peer_stream(
+                        request, elsewhere, self._ctx.settings.request_id_header
+                    )
             self._failed(request, 1)
             raise RequestNotFoundError()
         except TetherError as error:

@@ -313,18 +313,19 @@ async def _relay_stream(
 
 
 async def relay_peer_stream(
-    request: web.BaseRequest, peer: aiohttp.ClientResponse, ctx: ProxyContext
+    request: web.BaseRequest, peer: aiohttp.ClientResponse, request_id_header: str
 ) -> web.StreamResponse:
-    """A resume another replica answered (`fleet.Fleet.resume`): its refusal as it is, or its
-    stream relayed as it comes, cut where it is cut. The client leaving closes the peer's
-    connection, which holds the stream there again."""
+    """A resume another process answered (another worker, another replica, or for the
+    supervisor one of its workers): its refusal as it is, or its stream relayed as it
+    comes, cut where it is cut. The client leaving closes the peer's connection, which
+    holds the stream there again."""
     async with peer:
         if peer.status != 200:
             return web.Response(
                 status=peer.status, body=await peer.read(), content_type="application/json"
             )
         headers = CIMultiDict[str]()
-        for name in (*_RESUMED_HEADERS, ctx.settings.request_id_header):
+        for name in (*_RESUMED_HEADERS, request_id_header):
             if name in peer.headers:
                 headers[name] = peer.headers[name]
         response = web.StreamResponse(status=200, headers=headers)

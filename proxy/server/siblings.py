@@ -1,9 +1,10 @@
-"""A worker's calls to the supervisor's other workers (TETHER_WORKERS > 1) for cancel by ID and
-`GET /v1/requests`: each asked directly over its private admin socket, with no admin token.
+"""A worker's calls to the supervisor's other workers (TETHER_WORKERS > 1) for cancel by ID,
+`GET /v1/requests` and resume: each asked directly over its private admin socket, with no
+admin token.
 
-The client port spreads a caller's connections over the workers, so a cancel or a list that
-lands on one worker must reach the requests another holds, whatever the operator configured
-(no admin token, TETHER_ADMIN_PORT=0). Why this is safe without a token:
+The client port spreads a caller's connections over the workers, so a cancel, a list or a
+resume that lands on one worker must reach the requests another holds, whatever the operator
+configured (no admin token, TETHER_ADMIN_PORT=0). Why this is safe without a token:
 
 - the sockets live in the supervisor's runtime directory (`workers.runtime`), made mode 0700
   and owned by this user, and a worker refuses to start when its directory is not so
@@ -12,9 +13,10 @@ lands on one worker must reach the requests another holds, whatever the operator
   the socket lets them do nothing they could not;
 - the sibling routes are served on that Unix socket only, never on a TCP port, and nothing
   new listens on the network;
-- a sibling answers for the caller hash asked and nothing else: a cancel stops, and a list
-  shows, only that caller's requests (the hash is keyed with the key all workers share, so
-  it is the same caller wherever its request landed), and never an internal ID.
+- a sibling answers for the caller hash asked and nothing else: a cancel stops, a list
+  shows and a resume relays only that caller's requests (the hash is keyed with the key all
+  workers share, so it is the same caller wherever its request landed), and never an
+  internal ID.
 
 Why worker to worker rather than through the supervisor: the sockets are already there, and
 each worker is handed the others' paths, so the supervisor needs no socket, no server and no
@@ -41,12 +43,17 @@ log = structlog.get_logger("tether.cancel")
 
 CANCEL_PATH = "/siblings/cancel"
 REQUESTS_PATH = "/siblings/requests"
+RESUME_PATH = "/siblings/resume"
 # A sibling's cancel answers once its engine's stop is known: the stream's event end, the
 # request letting go, then the confirm timeout (`cancel.CancelRoutes._stopped`); this margin
 # covers the rest on a loaded machine.
 _CANCEL_MARGIN_SECONDS = 5.0
 # A list is answered from memory at once.
 _LIST_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# A resumed stream lasts as long as the answer: only its head is bounded (a held stream's
+# head is written at once).
+_RESUME_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=None)
+_RESUME_HEAD_SECONDS = 5.0
 
 
 def private_directory_problem(path: str) -> str | None:
@@ -131,6 +138,37 @@ class Siblings:
             if isinstance(data, list):
                 listed.extend(entry for entry in data if isinstance(entry, dict))
         return listed
+
+    async def resume(
+        self, request_id: str, caller: bytes | None, last_received: int
+    ) -> aiohttp.ClientResponse | None:
+        """The caller's held stream with this ID, resumed on the sibling that holds it: that
+        sibling's answer, open (200: the events to relay; else its refusal, such as events no
+        longer held), or None when no sibling holds it (they answer 404)."""
+        body = json.dumps(
+            {"request_id": request_id, "caller": _hex(caller), "last_received": last_received}
+        )
+        answers = await asyncio.gather(*(self._resume_on(s, body) for s in self._sessions))
+        found = [answer for answer in answers if answer is not None]
+        for extra in found[1:]:  # (a stream is held by one worker: never more than one)
+            extra.close()
+        return found[0] if found else None
+
+    async def _resume_on(
+        self, session: aiohttp.ClientSession, body: str
+    ) -> aiohttp.ClientResponse | None:
+        try:
+            async with asyncio.timeout(_RESUME_HEAD_SECONDS):
+                response = await session.post(
+                    f"http://worker{RESUME_PATH}", data=body, timeout=_RESUME_TIMEOUT
+                )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            log.warning("sibling_not_answering", route=RESUME_PATH, error=exc.__class__.__name__)
+            return None
+        if response.status == 404:
+            response.release()
+            return None
+        return response
 
     async def _ask(
         self,

@@ -8,6 +8,8 @@
 - `/admin/requests`: every worker's in-flight list, each entry with its `worker`.
 - `/admin/abort`: every worker's local abort, and with `"scope": "fleet"` the other replicas'
   (asked once, from here: this supervisor's instance ID is what a DNS fan-out skips).
+- `/admin/cancel`, `/admin/resume`: another replica's cancel or resume for one caller, asked
+  of every worker; the resumed stream relayed from the worker that holds it.
 
 Same token rules and error answers as one tether's. A running worker that cannot be asked
 is that worker's problem: named in readiness, a 503 for `/metrics` (a partial sum would read
@@ -21,11 +23,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import structlog
-from aiohttp import web
+from aiohttp import ClientResponse, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ..errors import AdminError, FleetNotConfiguredError, error_response
+from ..errors import AdminError, FleetNotConfiguredError, RequestNotFoundError, error_response
 from ..server.admin import (
     abort_answer,
     abort_target,
@@ -33,9 +35,11 @@ from ..server.admin import (
     cancel_answer,
     cancel_target,
     check_authorised,
+    resume_target,
 )
 from ..server.cancel import Cancellation
 from ..server.fleet import Fleet
+from ..server.respond import relay_peer_stream
 from ..settings import Settings
 from . import metrics_sum
 from .client import WorkerAdminError
@@ -65,6 +69,7 @@ def create_supervisor_app(settings: Settings, count: int) -> web.Application:
         list_requests=list_requests,
         abort_request=abort_request,
         cancel_request=cancel_request,
+        resume_request=resume_request,
     )
     return app
 
@@ -226,6 +231,31 @@ async def cancel_request(request: web.Request) -> web.Response:
     return cancel_answer(
         request.app[FLEET], Cancellation(cancelled, engine if isinstance(engine, str) else None)
     )
+
+
+async def resume_request(request: web.Request) -> web.StreamResponse:
+    """A resume another replica asks of this one's workers: the caller's stream, relayed from
+    the worker that holds it. Answers as one tether does (404 when none holds it)."""
+    settings = request.app[SETTINGS]
+    try:
+        check_authorised(request, settings)
+        request_id, caller, last = await resume_target(request)
+    except AdminError as error:
+        return error_response(error)
+    token = settings.admin_token
+    assert token is not None
+    hashed = caller.hex() if caller is not None else None
+
+    async def resume(worker: Worker) -> ClientResponse | None:
+        return await worker.admin.resume(request_id, hashed, last, token)
+
+    answers, _ = await _ask_running(request.app[SUPERVISOR], resume, "/admin/resume")
+    found = [answer for answer in answers if answer is not None]
+    for extra in found[1:]:  # (a stream is held by one worker: never more than one)
+        extra.close()
+    if not found:
+        return error_response(RequestNotFoundError())
+    return await relay_peer_stream(request, found[0], settings.request_id_header)
 
 
 async def _ask_running(

@@ -7,6 +7,7 @@ problem instead of an answer that silently leaves it out.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -17,6 +18,8 @@ from pydantic import SecretStr
 
 # A worker answers from its own event loop; one busy relaying still answers within this.
 _TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+# A resumed stream lasts as long as the engine's answer.
+_STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None)
 
 
 class WorkerAdminError(Exception):
@@ -102,6 +105,29 @@ class WorkerAdmin:
         if status != 200 or not isinstance(payload, dict):
             raise WorkerAdminError(self.index, f"/admin/cancel answered {status}")
         return payload
+
+    async def resume(
+        self, request_id: str, caller: str | None, last_received: int, token: SecretStr
+    ) -> aiohttp.ClientResponse | None:
+        """Resume the caller's (`caller`: its hash, hex) stream with this ID held by this
+        worker: its answer, open (200: the events to relay; else its refusal), or None when
+        the worker does not hold it. Only the head is bounded: the stream lasts as long as
+        the answer."""
+        body = {"request_id": request_id, "caller": caller, "last_received": last_received}
+        try:
+            async with asyncio.timeout(_TIMEOUT.total):
+                response = await self._session.post(
+                    "http://worker/admin/resume",
+                    headers={"Authorization": f"Bearer {token.get_secret_value()}"},
+                    json=body,
+                    timeout=_STREAM_TIMEOUT,
+                )
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise WorkerAdminError(self.index, f"/admin/resume: {_failure(exc)}") from exc
+        if response.status == 404:
+            response.release()
+            return None
+        return response
 
     async def _call(
         self,
