@@ -303,6 +303,8 @@ CONTRACT = {
     "tether_request_outcomes_total": {"outcome"},
     "tether_requests_in_flight": set(),
     "tether_client_disconnects_total": {"phase"},
+    "tether_client_cut_clusters_total": {"route"},
+    "tether_client_cut_cluster_age_seconds": {"route"},
     "tether_upstream_cancellations_total": {"reason"},
     "tether_aborts_total": {"engine", "result"},
     "tether_abort_latency_seconds": set(),
