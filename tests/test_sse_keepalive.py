@@ -436,24 +436,24 @@ async def test_a_non_streaming_request_gets_no_keepalive(
 # --- clients ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("where", ["before_head", "after_head"])
 async def test_the_openai_sdk_reads_a_kept_alive_stream_unchanged(
-    fake_engine: FakeEngineFactory, tether: TetherFactory
+    fake_engine: FakeEngineFactory, tether: TetherFactory, where: str
 ) -> None:
-    """The openai SDK reads a stream with comments before and after the engine's head into
-    the same text as the same stream without keep-alive."""
+    """The openai SDK reads a stream with comments where its engine was silent, before the
+    engine's head or after it, into the same text as the same stream without keep-alive."""
     _, engine_url = await fake_engine()
     kept = await tether(engine_url, engine="vllm", sse_keepalive=0.1)
     plain = await tether(engine_url, engine="vllm")
-    silences: dict[str, Any] = {"head_after": 0.5, "prefill": 0.5}
+    # One silence at a time: the fake engine's prefill starts when the request arrives, so one
+    # no longer than the wait for its head leaves no silence after the head.
+    silence: dict[str, Any] = {"head_after": 0.5} if where == "before_head" else {"prefill": 0.5}
 
-    assert await openai_chat_text(kept.port, **silences) == await openai_chat_text(
-        plain.port, **silences
-    )
-    assert await openai_chat_text(kept.port, **silences) == " tok0 tok1 tok2 tok3 tok4"
-    # (the stream it read had comments before and after the engine's head)
-    raw = _events((await _stream(kept.port, chat_body(head_after=0.5, prefill=0.5))).body)
-    first_event = next(i for i, block in enumerate(raw) if block.startswith(b"data: "))
-    assert raw[0] == COMMENT.strip() and raw[first_event - 1] == COMMENT.strip()
+    text = await openai_chat_text(kept.port, **silence)
+    assert text == await openai_chat_text(plain.port, **silence)
+    assert text == " tok0 tok1 tok2 tok3 tok4"
+    # (the stream it read began with comments)
+    assert _events((await _stream(kept.port, chat_body(**silence))).body)[0] == COMMENT.strip()
 
 
 async def test_the_openai_sdk_raises_an_engine_error_after_the_early_commit(

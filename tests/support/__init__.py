@@ -9,6 +9,7 @@ For the in-process suite (tether, its upstreams and the client in the test's eve
 - `chat`: the chat request the tests send (`chat_body`), the IDs of its answer (`sse_ids`).
 - `scripted_engine`, `fastapi_engine`, `realtime_engine`: engines for wire-level tests.
 - `nginx`: nginx in front of an engine, the reference a test compares tether with.
+- `openai_node`: the openai Node SDK (the npm package, run by `node`) as a client.
 
 For every suite:
 
