@@ -470,10 +470,14 @@ async def test_the_openai_sdk_raises_an_engine_error_after_the_early_commit(
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+@pytest.mark.parametrize("where", ["before_head", "after_head"])
 async def test_curl_reads_a_kept_alive_stream_whole(
-    fake_engine: FakeEngineFactory, tether: TetherFactory
+    fake_engine: FakeEngineFactory, tether: TetherFactory, where: str
 ) -> None:
-    """`curl -sN` receives a kept-alive stream whole (exit status 0: no cut transfer)."""
+    """`curl -sN` receives a stream with comments where its engine was silent, before the
+    engine's head or after it, whole (exit status 0: no cut transfer)."""
+    # One silence at a time, as for the openai SDK above.
+    silence: dict[str, Any] = {"head_after": 0.5} if where == "before_head" else {"prefill": 0.5}
     _, engine_url = await fake_engine()
     server = await tether(engine_url, engine="vllm", sse_keepalive=0.1)
     curl = await asyncio.create_subprocess_exec(
@@ -484,13 +488,13 @@ async def test_curl_reads_a_kept_alive_stream_whole(
         "-H",
         "Content-Type: application/json",
         "-d",
-        json.dumps(chat_body(head_after=0.5, prefill=0.5)),
+        json.dumps(chat_body(**silence)),
         f"http://127.0.0.1:{server.port}/v1/chat/completions",
         stdout=asyncio.subprocess.PIPE,
     )
     output, _ = await asyncio.wait_for(curl.communicate(), 20)
 
     assert curl.returncode == 0
-    assert COMMENT in output
+    assert output.startswith(COMMENT)
     assert _text(output) == " tok0 tok1 tok2 tok3 tok4"
     assert output.endswith(b"data: [DONE]\n\n")
