@@ -20,9 +20,10 @@ With `abort_route="llamacpp"` it plays llama.cpp's server instead (see `AbortRou
 
 Per-request knobs ride in the JSON body, which real engines would ignore:
 `"fake": {"token_interval": s, "prefill": s, "fail_after": n, "stall_after": n,
-"head_after": s, "answer_status": n}`: `prefill` is the silence after a stream's head before
-its first event, `head_after` the silence before its head (a queue, a proxy that buffers),
-and `answer_status` answers that status with vLLM's error body (after `head_after`) instead of
+"head_after": s, "answer_status": n}`: `prefill` is the time from the request's arrival to
+its first token (the generation starts at once: with `head_after` as long, the stream's head
+comes with no silence after it), `head_after` the silence before its head (a queue, a proxy
+that buffers), and `answer_status` answers that status with vLLM's error body (after `head_after`) instead of
 generating.
 """
 
