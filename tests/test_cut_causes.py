@@ -25,6 +25,7 @@ from .support.chat import chat_body
 from .support.collected_log import IN_PROCESS, CollectedLog
 from .support.in_process import TetherFactory, settled
 from .support.metrics import metric
+from .support.packets import can_drop_packets, silenced
 from .support.raw_http import RawClient
 from .support.upstreams import FakeEngineFactory
 
@@ -105,6 +106,39 @@ async def test_a_client_that_vanishes_while_tether_writes_is_counted_as_a_reset(
 
     await settled(server)
     assert _all_cuts(server) == {"client_reset": 1}
+
+
+@pytest.mark.skipif(not can_drop_packets(), reason="needs root and a working iptables")
+@pytest.mark.timeout(30)
+async def test_a_client_gone_silent_is_counted_as_a_keepalive_timeout(
+    fake_engine: FakeEngineFactory, tether: TetherFactory
+) -> None:
+    """A client that vanishes without a FIN or RST while its engine is silent is found by
+    tether's TCP keepalive (idle 1 s here, 3 probes 1 s apart) and counted as
+    `keepalive_timeout`, at about that age; its engine work is stopped."""
+    engine, engine_url = await fake_engine(token_interval=30.0)
+    server = await tether(engine_url, tcp_keepalive_idle=1)
+    client = await RawClient.connect(server.port)
+    await client.send_request(chat_body(max_tokens=100))
+    await client.read_until(b"tok0")
+    [internal_id] = engine.generations
+
+    with silenced(client, server.port):
+        await engine.wait_for(
+            lambda: engine.generation(internal_id).state is GenerationState.ABORTED, timeout=15
+        )
+    client.close_fin()  # (its socket is gone already: tether's kernel reset it)
+
+    await settled(server)
+    assert _all_cuts(server) == {"keepalive_timeout": 1}
+    age = metric(
+        server.context.metrics.registry,
+        "tether_client_cut_age_seconds_sum",
+        route=CHAT,
+        cause="keepalive_timeout",
+    )
+    # Keepalive's verdict takes 1 + 3 x 1 s after the last byte.
+    assert 3.0 <= age < 4.0 + 2.0
 
 
 # --- tether's own timeouts ------------------------------------------------------------------

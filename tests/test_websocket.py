@@ -13,12 +13,9 @@ import asyncio
 import base64
 import json
 import os
-import shutil
 import struct
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -29,6 +26,7 @@ from proxy.server.runner import TetherServer
 
 from .support.in_process import TetherFactory, admin_url, settled, url
 from .support.metrics import metric
+from .support.packets import can_drop_packets, silenced
 from .support.raw_http import RawClient, request_head
 from .support.realtime_engine import RealtimeEngine, Session, realtime_engine
 
@@ -187,39 +185,7 @@ async def test_a_client_that_leaves_mid_session_ends_it_within_100_ms(
     assert finished["duration_ms"] > 0 and finished["websocket_bytes_in"] > 0
 
 
-@contextmanager
-def silenced(client: RawClient, server_port: int) -> Iterator[None]:
-    """Every packet from the client's socket to the server is dropped: the client is gone
-    without a FIN or RST, as when its host or network vanishes (needs root and iptables)."""
-    client_port = client.writer.get_extra_info("sockname")[1]
-    rule = [
-        "INPUT",
-        "-p",
-        "tcp",
-        "-s",
-        "127.0.0.1",
-        "--sport",
-        str(client_port),
-        "--dport",
-        str(server_port),
-        "-j",
-        "DROP",
-    ]
-    subprocess.run(["iptables", "-I", *rule], check=True, capture_output=True)
-    try:
-        yield
-    finally:
-        subprocess.run(["iptables", "-D", *rule], check=True, capture_output=True)
-
-
-def _can_drop_packets() -> bool:
-    if os.geteuid() != 0 or shutil.which("iptables") is None:
-        return False
-    probe = subprocess.run(["iptables", "-L", "INPUT", "-n"], capture_output=True)
-    return probe.returncode == 0
-
-
-@pytest.mark.skipif(not _can_drop_packets(), reason="needs root and a working iptables")
+@pytest.mark.skipif(not can_drop_packets(), reason="needs root and a working iptables")
 @pytest.mark.timeout(30)
 async def test_a_client_gone_silent_ends_its_session_when_keepalive_finds_it(
     engine: RealtimeEngine, tether: TetherFactory
