@@ -23,8 +23,8 @@ Per-request knobs ride in the JSON body, which real engines would ignore:
 "head_after": s, "answer_status": n}`: `prefill` is the time from the request's arrival to
 its first token (the generation starts at once: with `head_after` as long, the stream's head
 comes with no silence after it), `head_after` the silence before its head (a queue, a proxy
-that buffers), and `answer_status` answers that status with vLLM's error body (after `head_after`) instead of
-generating.
+that buffers), and `answer_status` answers that status with vLLM's error body (after
+`head_after`) instead of generating.
 """
 
 from __future__ import annotations
