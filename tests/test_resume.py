@@ -397,15 +397,23 @@ async def test_a_resume_reaching_another_replica_is_relayed_from_the_one_that_ho
     )
     await _held(holder)
 
-    async with await _resume(http, asked.port, "roamer", BOB, _id_of(before[-1])) as refused:
+    await _resumed_whole_through(http, asked.port, "roamer", before)
+    assert engine.aborts == []
+
+
+async def _resumed_whole_through(
+    http: aiohttp.ClientSession, port: int, request_id: str, before: list[bytes]
+) -> None:
+    """Resumed through the tether at `port`, which does not hold it: another caller gets
+    404, its own caller the rest of the stream under its ID, whole."""
+    async with await _resume(http, port, request_id, BOB, _id_of(before[-1])) as refused:
         assert refused.status == 404
-    async with await _resume(http, asked.port, "roamer", ALICE, _id_of(before[-1])) as again:
+    async with await _resume(http, port, request_id, ALICE, _id_of(before[-1])) as again:
         assert again.status == 200
-        assert again.headers["X-Request-Id"] == "roamer"
+        assert again.headers["X-Request-Id"] == request_id
         after = await _events(again)
     assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(60)]
     assert after[-1].endswith(b"data: [DONE]\n\n")
-    assert engine.aborts == []
 
 
 # Several workers: the kernel spreads connections over them, so streams on connections of
@@ -492,13 +500,7 @@ async def test_a_resume_from_another_replica_reaches_the_worker_that_holds_it(
     )
     await holder.wait_event("stream_held", timeout=10)
 
-    async with await _resume(http, asked.port, "far", BOB, _id_of(before[-1])) as refused:
-        assert refused.status == 404
-    async with await _resume(http, asked.port, "far", ALICE, _id_of(before[-1])) as again:
-        assert again.status == 200
-        assert again.headers["X-Request-Id"] == "far"
-        after = await _events(again)
-    assert _tokens(before) + _tokens(after) == [f"tok{i}" for i in range(60)]
+    await _resumed_whole_through(http, asked.port, "far", before)
     assert engine.aborts == []
 
 

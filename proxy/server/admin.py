@@ -168,21 +168,21 @@ async def cancel_request(request: web.Request) -> web.Response:
 async def resume_request(request: web.Request) -> web.StreamResponse:
     """A resume another replica asks of this one: the caller's held stream with this ID,
     resumed on this connection (the asking replica relays it to its client)."""
-    ctx = _context(request)
     try:
-        check_authorised(request, ctx.settings)
-        request_id, caller, last = await resume_target(request)
+        check_authorised(request, _context(request).settings)
     except AdminError as error:
         return error_response(error)
-    return await request.app[PROXY_APP][CANCEL_ROUTES].resume_local(
-        request, request_id, caller, last
-    )
+    return await _resume_held_here(request)
 
 
 async def sibling_resume(request: web.Request) -> web.StreamResponse:
     """Another worker's resume: the caller's stream held here, resumed on this connection
     (the asking worker relays it to its client). No token: only this user's processes reach
     the socket (`siblings`)."""
+    return await _resume_held_here(request)
+
+
+async def _resume_held_here(request: web.Request) -> web.StreamResponse:
     try:
         request_id, caller, last = await resume_target(request)
     except AdminError as error:
