@@ -53,6 +53,18 @@ class Ending:
         self.exc: Final = exc  # a bug's exception: its traceback goes in the log
 
 
+class EarlyStart:
+    """A client's stream begun before the engine answered (SSE keep-alive): how it is framed,
+    and the engine's status once its head came (0 before), which the request is reported
+    with (its client's 200 says nothing of the engine's answer)."""
+
+    __slots__ = ("chunked", "engine_status")
+
+    def __init__(self, chunked: bool) -> None:
+        self.chunked: Final = chunked
+        self.engine_status = 0
+
+
 class RequestState:
     """One in-flight request. Times are `time.monotonic()` readings, as everywhere in tether.
 
@@ -66,6 +78,7 @@ class RequestState:
         "client_request_id",
         "client_response",
         "connection",
+        "early_start",
         "echo_id",
         "ending",
         "engine",
@@ -145,6 +158,8 @@ class RequestState:
         self.upstream: UpstreamExchange | None = None  # its exchange with the engine
         self.relay: ResponseRelay | None = None  # where the engine's response goes
         self.client_response: web.StreamResponse | None = None  # once its head was built
+        # Where `client_response` began before the engine answered (SSE keep-alive).
+        self.early_start: EarlyStart | None = None
         # Its stream, once it relays one its client may resume (TETHER_RESUME_GRACE).
         self.held: HeldStream | None = None
         # The client's side of a WebSocket session, once the engine took it (the engine's

@@ -19,6 +19,7 @@ from ..upstream.client import UpstreamClient
 from ..wire.callers import Callers
 from ..wire.event_log import HeldBytes
 from ..wire.ids import IdMinter
+from ..wire.routes import is_allowed, is_blocked
 from .engine_identity import EngineIdentity
 from .fleet import Fleet
 from .health import Readiness
@@ -46,6 +47,47 @@ class UsageAsking:
             )
 
 
+# What the refusal checks decide about a path (`PathChecks.verdict`).
+PATH_FORWARDED = 0
+PATH_BLOCKED = 1  # an engine control route
+PATH_NOT_ALLOWED = 2  # not on the allowlist (TETHER_ALLOWED_PATHS)
+# Paths remembered: clients use a handful; a longer or a further one is checked each time.
+_REMEMBERED_PATH_LENGTH = 512
+_REMEMBERED_PATHS = 1024
+
+
+class PathChecks:
+    """The control-route and allowlist checks' verdict on each client path, remembered for
+    the engine profile in force, so they run once per path rather than once per request (a
+    new profile, once the engine says what it is, starts afresh)."""
+
+    __slots__ = ("_engine", "_verdicts")
+
+    def __init__(self) -> None:
+        self._engine: EngineProfile | None = None
+        self._verdicts: dict[str, int] = {}
+
+    def verdict(self, raw_path: str, engine: EngineProfile) -> int:
+        """`PATH_FORWARDED`, `PATH_BLOCKED` or `PATH_NOT_ALLOWED` for `raw_path` (without
+        its query) in front of `engine`."""
+        if engine is not self._engine:
+            self._engine = engine
+            self._verdicts = {}
+        verdicts = self._verdicts
+        verdict = verdicts.get(raw_path)
+        if verdict is not None:
+            return verdict
+        if is_blocked(raw_path, engine.blocked_paths):
+            verdict = PATH_BLOCKED
+        elif engine.allowed_paths is not None and not is_allowed(raw_path, engine.allowed_paths):
+            verdict = PATH_NOT_ALLOWED
+        else:
+            verdict = PATH_FORWARDED
+        if len(raw_path) <= _REMEMBERED_PATH_LENGTH and len(verdicts) < _REMEMBERED_PATHS:
+            verdicts[raw_path] = verdict
+        return verdict
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyContext:
     settings: Settings
@@ -65,6 +107,7 @@ class ProxyContext:
     # The bytes streams hold for resumes (TETHER_RESUME_GRACE); None: resume is off.
     resume_budget: HeldBytes | None
     faults: Faults | None  # a test's failures at named points; None in production
+    paths: PathChecks  # the refusal checks' verdict per path
 
     @property
     def slots(self) -> EngineSlots:

@@ -49,8 +49,8 @@ from ..settings import RequestIdMode
 from ..upstream.connection import ResponseHead
 from ..upstream.exchange import RequestBody, SinkClosedError
 from ..wire.headers import client_head_size, upstream_request_headers
-from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS, is_allowed, is_blocked
-from .context import ProxyContext
+from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS
+from .context import PATH_BLOCKED, PATH_NOT_ALLOWED, ProxyContext
 from .early_commit import head_kept_alive, keepalive_for
 from .respond import (
     KeptAlive,
@@ -139,7 +139,7 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
                     f"TETHER_REQUEST_TIMEOUT={settings.request_timeout}s"
                 ) from timed_out
             # 4. Completed: the engine's answer, whatever its status, went to the client in full.
-            state.ending = Ending(Outcome.COMPLETED, reported_status(response))
+            state.ending = Ending(Outcome.COMPLETED, reported_status(response, state))
             return response
         except asyncio.CancelledError:
             # 5a. Cancelled: the client left, an operator aborted it, or tether is shutting down.
@@ -413,12 +413,12 @@ def _refuse_unforwardable(
         )
     if request.method in REFUSED_METHODS:
         raise MethodNotAllowedError(f"{request.method} is not forwarded to the engine")
-    raw_path = request.rel_url.raw_path
-    if is_blocked(raw_path, engine.blocked_paths):
+    verdict = ctx.paths.verdict(request.rel_url.raw_path, engine)
+    if verdict == PATH_BLOCKED:
         raise BlockedRouteError(
             f"{request.path} is an engine control route; tether does not forward it"
         )
-    if engine.allowed_paths is not None and not is_allowed(raw_path, engine.allowed_paths):
+    if verdict == PATH_NOT_ALLOWED:
         raise RouteNotAllowedError(
             f"{request.path} is not among the routes this tether forwards (TETHER_ALLOWED_PATHS)"
         )

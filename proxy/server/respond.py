@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 import aiohttp
@@ -31,7 +30,7 @@ from ..errors import (
 from ..faults import RESPONSE_HEAD, STREAM_END
 from ..outcomes import Phase
 from ..request.held_stream import HeldStream, Resumer
-from ..request.state import Ending, RequestState
+from ..request.state import EarlyStart, Ending, RequestState
 from ..request.websocket import SWITCHING_HEADERS, ClientFrames
 from ..upstream.connection import ResponseHead
 from ..upstream.relay import ResponseRelay
@@ -73,19 +72,6 @@ _RESUMED_HEADERS = (_CONTENT_TYPE, istr("Cache-Control"), istr("X-Accel-Bufferin
 _MAX_ERROR_BODY = 64 * 1024
 
 
-@dataclass(slots=True)
-class _EarlyStart:
-    """A client's stream begun before the engine answered (SSE keep-alive): how it is framed,
-    and the engine's status once its head came (0 before), which the request is reported
-    with (its client's 200 says nothing of the engine's answer)."""
-
-    chunked: bool
-    engine_status: int = 0
-
-
-_EARLY_START = web.ResponseKey("tether_early_start", _EarlyStart)
-
-
 class KeptAlive:
     """A request whose wait for the engine's head was kept alive (`early_commit`): its
     interval, and the client's stream if it began before the head came, last written
@@ -120,7 +106,8 @@ async def relay_response(
     tokens = TokenCounter(state.route.tokens if state.route is not None else TokenShape.NONE)
     sse = _is_sse(head)
     if committed is not None:
-        committed[_EARLY_START].engine_status = head.status
+        assert state.early_start is not None  # (begun with the committed stream)
+        state.early_start.engine_status = head.status
         if head.status != 200 or not sse:
             return await _answer_in_stream(head, state, ctx, committed, mapper)
     if state.body.assembled and head.status == 200 and sse:
@@ -426,7 +413,7 @@ async def commit_stream(
     writer = await _to_client(response.prepare(request))
     if writer is None:
         raise ClientGoneError("the client left before the response started")
-    response[_EARLY_START] = _EarlyStart(chunked=_is_chunked(writer))
+    state.early_start = EarlyStart(_is_chunked(writer))
     await write_comment(response)
     return response
 
@@ -486,7 +473,7 @@ def _error_in_early_stream(
     stream went into it (the engine unreachable, a timeout, a bug): the error goes out as the
     stream's one event, then its end, written at once (never a cut stream). False where the
     stream did not begin early, or the engine's events already flow in it."""
-    early = response.get(_EARLY_START)
+    early = state.early_start if response is state.client_response else None
     transport = request.transport
     relayed = state.relay is not None and state.relay.bytes_out > 0
     if early is None or relayed or transport is None or transport.is_closing():
@@ -501,15 +488,15 @@ def began_early_without_events(state: RequestState) -> bool:
     engine's events went into it yet: an error can still go out as its one event."""
     sent = response_started(state)
     relayed = state.relay is not None and state.relay.bytes_out > 0
-    return sent is not None and sent.get(_EARLY_START) is not None and not relayed
+    return sent is not None and state.early_start is not None and not relayed
 
 
-def reported_status(response: web.StreamResponse) -> int:
+def reported_status(response: web.StreamResponse, state: RequestState) -> int:
     """The status a completed request is reported with: the engine's, also where its client's
     stream began before the engine answered (with a 200 of tether's)."""
     # (typed here: where mypyc compiles this, aiohttp's own types are unknown)
-    early: _EarlyStart | None = response.get(_EARLY_START)
     status: int = response.status
+    early = state.early_start if response is state.client_response else None
     return early.engine_status if early is not None and early.engine_status else status
 
 

@@ -108,15 +108,15 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 connection = await self._connector(factory)
-        except TimeoutError as exc:
+        except TimeoutError as timed_out:
             raise UpstreamConnectTimeoutError(
                 f"the engine did not accept a connection within {self._connect_timeout}s "
                 "(TETHER_CONNECT_TIMEOUT)"
-            ) from exc
-        except OSError as exc:
+            ) from timed_out
+        except OSError as refused:
             raise UpstreamUnavailableError(
-                f"the engine is unreachable: {exc.strerror or exc.__class__.__name__}"
-            ) from exc
+                f"the engine is unreachable: {refused.strerror or refused.__class__.__name__}"
+            ) from refused
         self._open.add(connection)
         return connection
 

@@ -40,7 +40,17 @@ _FINISH_REASONS = (b'"finish_reason":"', b'"stop_reason":"')
 class TokenCounter:
     """Counts the tokens in one response's body, chunk by chunk, as it passes."""
 
-    __slots__ = ("_counted", "_excluded", "_first", "_last", "_previous", "_third", "events")
+    __slots__ = (
+        "_counted",
+        "_excluded",
+        "_first",
+        "_last",
+        "_previous",
+        "_reported",
+        "_reported_read",
+        "_third",
+        "events",
+    )
 
     def __init__(self, shape: TokenShape) -> None:
         self._counted = shape.counted
@@ -51,6 +61,10 @@ class TokenCounter:
         self._last = self._previous = self._third = b""
         self._first: bytes | None = None  # where a stream's opening event says the prompt's
         self.events = 0
+        # `reported()`, once read from the last chunks seen (the total and the report both
+        # ask for it); read again after another chunk.
+        self._reported: int | None = None
+        self._reported_read = False
 
     def feed(self, chunk: bytes) -> int:
         """Count `chunk`; return how many token-carrying events it held."""
@@ -66,11 +80,17 @@ class TokenCounter:
         if self._first is None:
             self._first = chunk
         self._third, self._previous, self._last = self._previous, self._last, chunk
+        self._reported_read = False
         return found
 
     def reported(self) -> int | None:
         """The engine's own token count from the last bytes seen, if it reported one."""
-        return _last_number(self._tail(), (_COMPLETION_TOKENS, _OUTPUT_TOKENS, _PREDICTED))
+        if not self._reported_read:
+            self._reported = _last_number(
+                self._tail(), (_COMPLETION_TOKENS, _OUTPUT_TOKENS, _PREDICTED)
+            )
+            self._reported_read = True
+        return self._reported
 
     def reported_prompt(self) -> int | None:
         """The prompt's tokens, as the engine reported them (at the end, or in a stream's
