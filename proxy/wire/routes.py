@@ -3,7 +3,6 @@ through, and which methods and HTTP versions are never forwarded. No I/O."""
 
 from __future__ import annotations
 
-import functools
 import posixpath
 import re
 from urllib.parse import unquote
@@ -33,16 +32,12 @@ def normalised_path(raw_path: str) -> str:
     return path.lower().rstrip("/") or "/"
 
 
-@functools.lru_cache(maxsize=1024)
 def is_blocked(raw_path: str, blocked_paths: tuple[str, ...]) -> bool:
-    """True when the path reaches one of the engine's control routes (prefix match).
-
-    Clients use a handful of paths, so the answer is remembered per path (a bounded cache:
-    many distinct paths only cost the normalisation, never memory)."""
+    """True when the path reaches one of the engine's control routes (prefix match). (The
+    server remembers the verdict per path: `server.context.PathChecks`.)"""
     return normalised_path(raw_path).startswith(blocked_paths)
 
 
-@functools.lru_cache(maxsize=1024)
 def is_allowed(raw_path: str, allowed_paths: tuple[str, ...]) -> bool:
     """True when the path is one of `allowed_paths` or lies below one (whole segments:
     `/v1/responses` allows `/v1/responses/<id>`, never `/v1/responses_admin`)."""
