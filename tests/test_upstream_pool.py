@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
-from multidict import CIMultiDict
 
 from proxy.upstream.client import UpstreamClient
 from proxy.upstream.pool import UploadLimit
@@ -87,9 +86,7 @@ class _Discard:
 async def _post(upstream: UpstreamClient) -> None:
     """One request over the client's pooled connections, its response read to the end."""
     exchange = upstream.exchange("POST", replayable=False)
-    head = upstream.request_head(
-        "POST", "/v1/chat/completions", CIMultiDict(), content_length=2, chunked=False
-    )
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Length: 2\r\n\r\n"
     await exchange.send(head, b"{}")
     assert (await exchange.wait_head()).status == 200
     exchange.attach(_Discard())

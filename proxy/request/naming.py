@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from multidict import CIMultiDict
-
 from ..engines import EngineProfile
 from ..errors import DuplicateRequestIdError, InvalidRequestIdError, OverlappingRequestIdError
 from ..observe.logging import bind_request_ids
@@ -85,13 +83,11 @@ def preserving(state: RequestState) -> bool:
     return state.internal_request_id == state.client_request_id
 
 
-def adopt_body_id(
-    registry: Registry, state: RequestState, body_id: str, headers: CIMultiDict[str]
-) -> None:
+def adopt_body_id(registry: Registry, state: RequestState, body_id: str) -> None:
     """A client that named its request in the body (vLLM's `request_id`, SGLang's `rid`)
     gets that name back wherever the engine would have written it into its answer: without
     a header ID it is the request's client ID (logs, the response header, the admin API; in
-    preserve mode the engine's ID too, in `headers`), with one it is the engine's choice
+    preserve mode the engine's ID too, in its ID headers), with one it is the engine's choice
     which wins. (A 4 MB name and 100 tokens made 424 MB on vLLM 0.32: the name obeys the
     header ID's rule whichever wins.)"""
     try:
@@ -110,7 +106,4 @@ def adopt_body_id(
         refuse_in_flight(registry, engine, body_id, ignoring=state.internal_request_id)
     internal_request_id = body_id if kept else state.internal_request_id
     registry.rename(state, body_id, internal_request_id)
-    if kept:
-        for name in engine.id_headers:
-            headers[name] = body_id
     bind_request_ids(body_id, internal_request_id)

@@ -27,7 +27,7 @@ from ..upstream.exchange import UpstreamExchange
 _UPGRADE = istr("Upgrade")
 _CONNECTION = istr("Connection")
 # Hop-by-hop, so dropped on the way through like any; the handshake puts them back.
-SWITCHING_HEADERS = {_UPGRADE: "websocket", _CONNECTION: "Upgrade"}
+SWITCHING_HEADERS: dict[str, str] = {_UPGRADE: "websocket", _CONNECTION: "Upgrade"}
 
 
 def websocket_asked(request: web.BaseRequest) -> bool:
@@ -36,8 +36,9 @@ def websocket_asked(request: web.BaseRequest) -> bool:
     `h2c` is ignored, as RFC 9110 §7.8 lets a server (and uvicorn and nginx do): the request
     is answered in HTTP/1.1, which a client asking for h2c must accept. Any other protocol
     would leave the client expecting a switch that never comes, so it is refused."""
-    upgrade = request.headers.get(_UPGRADE)
-    if upgrade is None or not _names_upgrade(request.headers.getall(_CONNECTION, [])):
+    headers = request.headers
+    upgrade = headers.get(_UPGRADE)
+    if upgrade is None or not _names_upgrade(headers.getall(_CONNECTION, [])):
         return False
     protocol = upgrade.strip().lower()
     if protocol == "h2c":

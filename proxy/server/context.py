@@ -18,6 +18,7 @@ from ..settings import Settings
 from ..upstream.client import UpstreamClient
 from ..wire.callers import Callers
 from ..wire.event_log import HeldBytes
+from ..wire.headers import EngineHeads
 from ..wire.ids import IdMinter
 from ..wire.routes import is_allowed, is_blocked
 from .engine_identity import EngineIdentity
@@ -88,6 +89,26 @@ class PathChecks:
         return verdict
 
 
+class HeadsForEngine:
+    """How client requests' heads go to the engine (`wire.headers.EngineHeads`), for the
+    engine profile in force: decided once per profile (its ID headers), not per request."""
+
+    __slots__ = ("_engine", "_heads", "_request_id_header", "_upstream_url")
+
+    def __init__(self, upstream_url: str, request_id_header: str) -> None:
+        self._upstream_url = upstream_url
+        self._request_id_header = request_id_header
+        self._engine: EngineProfile | None = None
+        self._heads: EngineHeads | None = None
+
+    def of(self, engine: EngineProfile) -> EngineHeads:
+        heads = self._heads
+        if heads is None or engine is not self._engine:
+            heads = EngineHeads(self._upstream_url, self._request_id_header, engine.id_headers)
+            self._engine, self._heads = engine, heads
+        return heads
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyContext:
     settings: Settings
@@ -108,6 +129,7 @@ class ProxyContext:
     resume_budget: HeldBytes | None
     faults: Faults | None  # a test's failures at named points; None in production
     paths: PathChecks  # the refusal checks' verdict per path
+    heads: HeadsForEngine  # what of a client's request head the engine gets
 
     @property
     def slots(self) -> EngineSlots:

@@ -48,7 +48,7 @@ from ..request.websocket import SWITCHING_HEADERS, websocket_asked
 from ..settings import RequestIdMode
 from ..upstream.connection import ResponseHead
 from ..upstream.exchange import RequestBody, SinkClosedError
-from ..wire.headers import client_head_size, upstream_request_headers
+from ..wire.headers import client_head_size
 from ..wire.routes import FORWARDED_VERSIONS, REFUSED_METHODS
 from .context import PATH_BLOCKED, PATH_NOT_ALLOWED, ProxyContext
 from .early_commit import head_kept_alive, keepalive_for
@@ -65,20 +65,24 @@ from .respond import (
 from .resume import carry_on
 
 _CONTENT_LENGTH = istr("Content-Length")
+_CONTENT_TYPE = istr("Content-Type")
 
 
 async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.StreamResponse:
     """The handler for every client path."""
     settings = ctx.settings
     engine = ctx.engine  # the profile this request keeps to its end
+    # (each of aiohttp's request properties runs Python on every read, or on the first: read
+    # once here, and later from the request's state)
+    method, path, headers = request.method, request.path, request.headers
 
     # 1. Refuse what must never reach the engine, IDs that cannot be echoed safely, and any
     #    new work once shutdown has begun. The engine gets a fresh ID of tether's, or (in
     #    preserve mode) the client's own, which may then not be in flight twice.
     try:
-        _refuse_unforwardable(request, ctx, engine)
+        _refuse_unforwardable(request, method, ctx, engine)
         websocket = websocket_asked(request)
-        named = header_request_id(request.headers, settings.request_id_header)
+        named = header_request_id(headers, settings.request_id_header)
         if settings.request_id_mode is RequestIdMode.UNIQUE:
             client_request_id = named or ctx.ids.mint()
             internal_request_id = ctx.ids.mint()
@@ -94,25 +98,25 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
     state = RequestState(
         client_request_id=client_request_id,
         internal_request_id=internal_request_id,
-        method=request.method,
-        path=request.path,
-        route_label=route_label(request.path),
-        route=engine.route(request.method, request.path),
+        method=method,
+        path=path,
+        route_label=route_label(path),
+        route=engine.route(method, path),
         engine=engine,
         task=request.task,
         connection=request.protocol,
         id_in_header=named is not None,
         websocket=websocket,
-        caller=ctx.callers.of(request.headers),
+        caller=ctx.callers.of(headers),
         # Only a POST starts a session's stream (a replay's GET is not the session).
         engine_session=(
-            request.headers.get(engine.session_header)
-            if engine.session_header and request.method == "POST"
+            headers.get(engine.session_header)
+            if engine.session_header and method == "POST"
             else None
         ),
     )
     ctx.registry.add(state)
-    ctx.accounting.began(state, request.headers)
+    ctx.accounting.began(state, headers)
     response: web.StreamResponse
     # Where the client's connection is gone but its stream may be resumed: whether the
     # handler learnt it from its cancellation (else a failed write). The hold is awaited after
@@ -264,13 +268,13 @@ async def _sent(
     """Once the engine has a slot free for it (where tether counts them), the request sent
     to the engine; its response head."""
     slots = ctx.slots
-    if slots.size is not None and _takes_a_slot(request, state):
+    if slots.size is not None and _takes_a_slot(state):
         state.slots = grant = SlotGrant(outgoing.engine_requests)
         state.phase = Phase.QUEUED
         await slots.take(grant)
     state.upstream = upstream = ctx.upstream.exchange(
-        request.method,
-        replayable=state.engine.replayable(request.method, request.path),
+        state.method,
+        replayable=state.engine.replayable(state.method, state.path),
         upgrade=state.websocket,
     )
     await upstream.send(outgoing.head, outgoing.body, chunked=outgoing.chunked)
@@ -278,14 +282,14 @@ async def _sent(
     return await upstream.wait_head()
 
 
-def _takes_a_slot(request: web.BaseRequest, state: RequestState) -> bool:
+def _takes_a_slot(state: RequestState) -> bool:
     """A request that starts generation on an engine whose own queue does not see its client
     leave."""
     engine = state.engine
     return (
         engine.blind_while_queued
-        and request.method == "POST"
-        and request.path in engine.generation_routes
+        and state.method == "POST"
+        and state.path in engine.generation_routes
     )
 
 
@@ -308,17 +312,11 @@ async def _outgoing(request: web.BaseRequest, state: RequestState, ctx: ProxyCon
     freed for the rest of a long stream)."""
     settings = ctx.settings
     engine = state.engine
-    headers = upstream_request_headers(
-        request.headers,
-        client_request_id_header=settings.request_id_header,
-        internal_request_id=state.internal_request_id,
-        peer=request.remote,
-        scheme=request.scheme,
-        id_headers=engine.id_headers,
-    )
+    heads = ctx.heads.of(engine)
+    headers = request.headers
     outgoing = await outgoing_body(
         request,
-        headers,
+        headers.getall(_CONTENT_TYPE, ()) if heads.forwards_content_type else (),
         state.route,
         state.internal_request_id,
         max_json_body=settings.max_json_body,
@@ -339,22 +337,27 @@ async def _outgoing(request: web.BaseRequest, state: RequestState, ctx: ProxyCon
             f"the limit is {settings.max_engine_requests} (TETHER_MAX_ENGINE_REQUESTS)"
         )
     if facts.client_id is not None:
-        adopt_body_id(ctx.registry, state, facts.client_id, headers)
+        adopt_body_id(ctx.registry, state, facts.client_id)
+    added: dict[str, str] = {}  # fields of tether's, in place of any the client sent
     if state.span is not None:
         # The engine's own span (vLLM's llm_request) nests under tether's.
-        headers.update(state.span.engine_headers())
+        added.update(state.span.engine_headers())
     if state.websocket:
-        headers.update(SWITCHING_HEADERS)
+        added.update(SWITCHING_HEADERS)
     body = outgoing.body
-    content_length = None
-    if isinstance(body, bytes):
-        headers.popall(_CONTENT_LENGTH, None)
-        content_length = len(body)
-    chunked = outgoing.streamed and _CONTENT_LENGTH not in headers
-    head = ctx.upstream.request_head(
-        request.method,
+    content_length = len(body) if isinstance(body, bytes) else None
+    chunked = outgoing.streamed and not (
+        heads.forwards_content_length and _CONTENT_LENGTH in headers
+    )
+    head = heads.head(
+        state.method,
         request.rel_url.raw_path_qs,
+        request.raw_headers,
         headers,
+        internal_request_id=state.internal_request_id,
+        peer=request.remote,
+        scheme=request.scheme,
+        added=added,
         content_length=content_length,
         chunked=chunked,
     )
@@ -393,7 +396,7 @@ async def _held_or_gone(ctx: ProxyContext, state: RequestState, *, cancelled: bo
 
 
 def _refuse_unforwardable(
-    request: web.BaseRequest, ctx: ProxyContext, engine: EngineProfile
+    request: web.BaseRequest, method: str, ctx: ProxyContext, engine: EngineProfile
 ) -> None:
     """What never reaches the engine: any new request once shutdown began, a request head
     larger than nginx's, a request line other than HTTP/1.0 or 1.1, CONNECT and TRACE, the
@@ -401,7 +404,7 @@ def _refuse_unforwardable(
     settings = ctx.settings
     if ctx.readiness.draining:
         raise ShuttingDownError()
-    head_size = client_head_size(request.method, request.raw_path, request.raw_headers)
+    head_size = client_head_size(method, request.raw_path, request.raw_headers)
     if head_size > settings.max_request_head:
         raise RequestHeadTooLargeError(
             f"the request head is {head_size} bytes; the limit is "
@@ -411,8 +414,8 @@ def _refuse_unforwardable(
         raise HttpVersionNotSupportedError(
             f"HTTP/{request.version.major}.{request.version.minor} is not supported; use HTTP/1.1"
         )
-    if request.method in REFUSED_METHODS:
-        raise MethodNotAllowedError(f"{request.method} is not forwarded to the engine")
+    if method in REFUSED_METHODS:
+        raise MethodNotAllowedError(f"{method} is not forwarded to the engine")
     verdict = ctx.paths.verdict(request.rel_url.raw_path, engine)
     if verdict == PATH_BLOCKED:
         raise BlockedRouteError(

@@ -13,13 +13,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict
 
 from .. import __version__
 from ..engines import AbortCall
 from ..engines.identify import MAX_PROBE_ANSWER
 from ..settings import Settings
-from ..wire.headers import request_head
 from .exchange import UpstreamExchange
 from .pool import UploadLimit, UpstreamPool
 
@@ -51,12 +49,6 @@ class UpstreamClient:
         self._control_session = control_session
         self._fresh_session = fresh_session
         self._health_session = health_session
-        parts = urlsplit(settings.upstream_url)
-        default_port = 443 if parts.scheme == "https" else 80
-        host = parts.hostname or ""
-        host = f"[{host}]" if ":" in host else host
-        self._host_header = host if parts.port in (None, default_port) else f"{host}:{parts.port}"
-        self._base_path = parts.path.rstrip("/")
         self._abort_headers: dict[str, str] = {"Content-Type": "application/json"}
         if settings.upstream_admin_key is not None:
             key = settings.upstream_admin_key.get_secret_value()
@@ -130,27 +122,8 @@ class UpstreamClient:
     def exchange(self, method: str, *, replayable: bool, upgrade: bool = False) -> UpstreamExchange:
         """A new exchange for one client request (`replayable`: it may be sent again on a new
         connection when a reused one closed unanswered; `upgrade`: a WebSocket handshake);
-        `send` it with `request_head`."""
+        `send` it with the head `wire.headers.EngineHeads` makes."""
         return UpstreamExchange(self._pool, method, replayable=replayable, upgrade=upgrade)
-
-    def request_head(
-        self,
-        method: str,
-        path_qs: str,
-        headers: CIMultiDict[str],
-        *,
-        content_length: int | None,
-        chunked: bool,
-    ) -> bytes:
-        """The request line and headers for this engine (its base path, its `Host`)."""
-        return request_head(
-            method,
-            self._base_path + path_qs,
-            self._host_header,
-            headers,
-            content_length=content_length,
-            chunked=chunked,
-        )
 
     async def send_abort(
         self, call: AbortCall, timeout: float, *, fresh: bool = False

@@ -158,7 +158,7 @@ class MintedIdMapper(IdMapper):
         end = data.find(b'"', at + len(self._marker)) if at >= 0 else -1
         if end >= 0:
             self._learn(data[at + len(self._marker) : end])
-        elif (at < 0 and b"\n\n" in data) or len(data) > self._MAX_SEEN:
+        elif (at < 0 and data.find(b"\n\n") >= 0) or len(data) > self._MAX_SEEN:
             # A whole event without it (a stream's first carries it), or too much: none.
             self._learning = False
             self._needle = b""

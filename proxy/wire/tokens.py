@@ -73,7 +73,7 @@ class TokenCounter:
             found += chunk.count(marker)
         if found:
             for hint, markers in self._excluded:
-                if hint in chunk:
+                if chunk.find(hint) >= 0:  # (not `in`: see `request.body`)
                     for marker in markers:
                         found -= chunk.count(marker)
             self.events += found
@@ -107,7 +107,7 @@ class TokenCounter:
 
     def ended_with(self, marker: bytes) -> bool:
         """Whether the response's last bytes hold `marker` (a complete stream's last event)."""
-        return marker in self._tail()
+        return self._tail().find(marker) >= 0
 
     def finish_reasons(self) -> tuple[str, ...]:
         """The finish reasons the response's last bytes name (`finish_reason`, Anthropic's
@@ -137,11 +137,11 @@ class TokenCounter:
 def _last_number(data: bytes, markers: tuple[bytes, ...]) -> int | None:
     """The number after the last of `markers` in `data`, if any. (Read in place, digit by
     digit: once per request on a body's last bytes, where slicing them off cost more than
-    the search.)"""
+    the search; once one marker is found, the others are looked for only after it.)"""
     at = -1
     length = 0
     for marker in markers:
-        found = data.rfind(marker)
+        found = data.rfind(marker, at + 1)
         if found > at:
             at, length = found, len(marker)
     if at < 0:

@@ -97,7 +97,8 @@ class UsageEventFilter:
                     self._continuing = False
         data = self._held + chunk if self._held else chunk
         self._held = b""
-        cut = data.rfind(_EVENT_END) + len(_EVENT_END) if _EVENT_END in data else 0
+        last = data.rfind(_EVENT_END)
+        cut = last + len(_EVENT_END) if last >= 0 else 0
         events = _events(data[:cut])
         for index, event in enumerate(events):
             carry = self._carry if self._continuing else b""
