@@ -1,8 +1,11 @@
 """The in-flight registry's prefix index: in preserve mode, in front of an engine that aborts
 every request whose ID starts with the one named, it finds the in-flight ID a new one
-overlaps (either is a prefix of the other), and nothing for IDs that do not overlap."""
+overlaps (either is a prefix of the other), and nothing for IDs that do not overlap. And
+shutdown's wait for it to empty."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
@@ -60,3 +63,24 @@ def test_a_removed_id_no_longer_overlaps() -> None:
     registry.remove(state)
     assert registry.prefix_related("a") is None
     assert registry.prefix_related("c") == "cd"
+
+
+async def test_waiting_for_the_registry_to_empty() -> None:
+    """Shutdown's wait: over at once when nothing is in flight; else once the last request
+    leaves, for every waiter, a cancelled one leaving the others waiting."""
+    registry = Registry()
+    await asyncio.wait_for(registry.wait_empty(), 1)  # nothing in flight
+    first = RequestState("c1", "i1", "POST", "/generate", "/generate", None, SGLANG)
+    second = RequestState("c2", "i2", "POST", "/generate", "/generate", None, SGLANG)
+    registry.add(first)
+    registry.add(second)
+    waiters = [asyncio.create_task(registry.wait_empty()) for _ in range(3)]
+    await asyncio.sleep(0)  # (each waiter starts waiting)
+    waiters[0].cancel()
+    registry.remove(first)
+    done, _ = await asyncio.wait(waiters[1:], timeout=0.05)
+    assert not done  # one request is still in flight
+    registry.remove(second)
+    await asyncio.wait_for(asyncio.gather(*waiters[1:]), 1)
+    assert waiters[0].cancelled()
+    await asyncio.wait_for(registry.wait_empty(), 1)

@@ -91,6 +91,7 @@ class RequestState:
         "path",
         "phase",
         "relay",
+        "replayable",
         "route",
         "route_label",
         "slots",
@@ -120,6 +121,7 @@ class RequestState:
         connection: Hashable | None = None,
         id_in_header: bool = False,
         websocket: bool = False,
+        replayable: bool = False,
         caller: bytes | None = None,
         engine_session: str | None = None,
     ) -> None:
@@ -142,6 +144,9 @@ class RequestState:
         self.phase = Phase.BODY
         self.id_in_header = id_in_header  # the client named it in the request-ID header
         self.websocket = websocket  # it asks for a WebSocket session
+        # It may be sent again on a new connection when a reused one closed unanswered
+        # (`EngineProfile.replayable`).
+        self.replayable = replayable
         # The keyed hash of the credential it carried (`wire.callers`), never the
         # credential: only the same caller cancels or lists it. None: it carried none.
         self.caller = caller

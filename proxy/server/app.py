@@ -32,7 +32,14 @@ from ..wire.callers import Callers, caller_key
 from ..wire.event_log import HeldBytes
 from ..wire.ids import IdMinter
 from .cancel import CANCEL_ROUTES, CancelRoutes
-from .context import CONTEXT, HeadsForEngine, PathChecks, ProxyContext, UsageAsking
+from .context import (
+    CONTEXT,
+    HeadsForEngine,
+    PathChecks,
+    ProxyContext,
+    RouteLookups,
+    UsageAsking,
+)
 from .engine_identity import EngineIdentity
 from .fleet import Fleet
 from .handler import proxy_request
@@ -133,6 +140,7 @@ async def _proxy_context(app: web.Application) -> AsyncIterator[None]:
                 ),
                 faults=faults,
                 paths=PathChecks(),
+                routes=RouteLookups(),
                 heads=HeadsForEngine(settings.upstream_url, settings.request_id_header),
             )
             app[CANCEL_ROUTES] = CancelRoutes(ctx, functools.partial(proxy_request, ctx), siblings)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 import structlog
 from aiohttp import web
 
 from ..aborts.tracker import AbortTracker
-from ..engines import EngineProfile
+from ..engines import EngineProfile, Route
 from ..faults import Faults
-from ..observe.metrics import Metrics
+from ..observe.metrics import Metrics, route_label
 from ..request.accounting import Accounting
 from ..request.engine_slots import EngineSlots
 from ..request.registry import Registry
@@ -89,6 +90,47 @@ class PathChecks:
         return verdict
 
 
+class RouteFacts:
+    """What the engine profile says of one method and path: its route (None: read-only,
+    outside the route table), its metric label, and whether such a request may be sent again
+    on a new connection (`EngineProfile.replayable`). Never changed once made."""
+
+    __slots__ = ("label", "replayable", "route")
+
+    def __init__(self, route: Route | None, label: str, replayable: bool) -> None:
+        self.route: Final = route
+        self.label: Final = label
+        self.replayable: Final = replayable
+
+
+class RouteLookups:
+    """The profile's route facts for each method and path, remembered for the engine profile
+    in force, as `PathChecks` remembers its verdicts (the profile's lookups run interpreted:
+    some 4,000 instructions a request)."""
+
+    __slots__ = ("_engine", "_facts")
+
+    def __init__(self) -> None:
+        self._engine: EngineProfile | None = None
+        self._facts: dict[tuple[str, str], RouteFacts] = {}
+
+    def of(self, method: str, path: str, engine: EngineProfile) -> RouteFacts:
+        if engine is not self._engine:
+            self._engine = engine
+            self._facts = {}
+        known = self._facts
+        key = (method, path)
+        facts = known.get(key)
+        if facts is not None:
+            return facts
+        facts = RouteFacts(
+            engine.route(method, path), route_label(path), engine.replayable(method, path)
+        )
+        if len(path) <= _REMEMBERED_PATH_LENGTH and len(known) < _REMEMBERED_PATHS:
+            known[key] = facts
+        return facts
+
+
 class HeadsForEngine:
     """How client requests' heads go to the engine (`wire.headers.EngineHeads`), for the
     engine profile in force: decided once per profile (its ID headers), not per request."""
@@ -129,6 +171,7 @@ class ProxyContext:
     resume_budget: HeldBytes | None
     faults: Faults | None  # a test's failures at named points; None in production
     paths: PathChecks  # the refusal checks' verdict per path
+    routes: RouteLookups  # the profile's route facts per method and path
     heads: HeadsForEngine  # what of a client's request head the engine gets
 
     @property

@@ -38,7 +38,6 @@ from ..errors import (
     error_response,
 )
 from ..observe.logging import bind_request_ids
-from ..observe.metrics import route_label
 from ..outcomes import Outcome, Phase
 from ..request.body import outgoing_body
 from ..request.engine_slots import SlotGrant
@@ -95,18 +94,20 @@ async def proxy_request(ctx: ProxyContext, request: web.BaseRequest) -> web.Stre
 
     # 2. Register: from here the request is visible to the admin API and to shutdown, and
     #    whatever happens ends in one report.
+    facts = ctx.routes.of(method, path, engine)
     state = RequestState(
         client_request_id=client_request_id,
         internal_request_id=internal_request_id,
         method=method,
         path=path,
-        route_label=route_label(path),
-        route=engine.route(method, path),
+        route_label=facts.label,
+        route=facts.route,
         engine=engine,
         task=request.task,
         connection=request.protocol,
         id_in_header=named is not None,
         websocket=websocket,
+        replayable=facts.replayable,
         caller=ctx.callers.of(headers),
         # Only a POST starts a session's stream (a replay's GET is not the session).
         engine_session=(
@@ -274,7 +275,7 @@ async def _sent(
         await slots.take(grant)
     state.upstream = upstream = ctx.upstream.exchange(
         state.method,
-        replayable=state.engine.replayable(state.method, state.path),
+        replayable=state.replayable,
         upgrade=state.websocket,
     )
     await upstream.send(outgoing.head, outgoing.body, chunked=outgoing.chunked)

@@ -1,6 +1,7 @@
-"""The only module that knows where the engine is: client requests go over tether's own
-HTTP/1.1 connections (`pool`, `connection`, `exchange`), abort calls and health checks over
-aiohttp sessions with connections of their own, so neither queues behind the relay."""
+"""The connections to the engine: client requests go over tether's own HTTP/1.1 connections
+(`pool`, `connection`, `exchange`; their heads are `wire.headers.EngineHeads`'), abort calls
+and health checks over aiohttp sessions with connections of their own, so neither queues
+behind the relay."""
 
 from __future__ import annotations
 

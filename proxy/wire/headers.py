@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Final
 from urllib.parse import urlsplit
@@ -28,7 +27,6 @@ HOP_BY_HOP: frozenset[str] = frozenset(
 )
 
 UPSTREAM_REQUEST_ID_HEADER = istr(REQUEST_ID_HEADER)
-_CONTENT_LENGTH = istr("Content-Length")
 _NONE: frozenset[str] = frozenset()
 
 # A request's fields as the client sent them: name and value, as aiohttp keeps them.
@@ -58,33 +56,9 @@ def _connection_named(
     return frozenset(named - keep)
 
 
-def _end_to_end(
-    headers: CIMultiDictProxy[str] | CIMultiDict[str], also_drop: tuple[str, ...], keep: str
-) -> CIMultiDict[str]:
-    """A copy of `headers` without hop-by-hop ones, those named in `Connection` (never the
-    fields of `_NEVER_CONNECTION_NAMED` or `keep`, the client's request-ID header) and
-    `also_drop`. (One compiled pass over the few headers a request has: cheaper than a copy
-    and a case-insensitive lookup of each of the dozen names dropped.)"""
-    dropped = _dropped(also_drop)
-    named = _connection_named(headers, _kept(keep))
-    if named:
-        dropped = dropped | named
-    result: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in dropped:
-            result.add(name, value)
-    return result
-
-
-@functools.lru_cache(maxsize=8)
 def _kept(request_id_header: str) -> frozenset[str]:
+    """What a `Connection` token may not remove, with the client's request-ID header."""
     return _NEVER_CONNECTION_NAMED | {request_id_header.lower()}
-
-
-@functools.lru_cache(maxsize=64)
-def _dropped(also_drop: tuple[str, ...]) -> frozenset[str]:
-    """The headers never passed on, for one set of extra names (a handful per process)."""
-    return HOP_BY_HOP | {name.lower() for name in also_drop}
 
 
 class EngineHeads:
@@ -232,17 +206,40 @@ def client_response_headers(
     client_request_id: str,
     body_rewritten: bool,
 ) -> CIMultiDict[str]:
-    """Headers to send back to the client for one upstream response.
+    """Headers to send back to the client for one upstream response: without hop-by-hop
+    ones and those named in `Connection` (never the fields of `_NEVER_CONNECTION_NAMED` or
+    the client's request-ID header).
 
     Any request-ID header the engine echoed carries the internal ID; the client gets its own.
     A rewritten body changes length, so its `Content-Length` is set again by the caller.
     """
-    also_drop: tuple[str, ...] = (client_request_id_header, UPSTREAM_REQUEST_ID_HEADER)
-    if body_rewritten:
-        also_drop += (_CONTENT_LENGTH,)
-    result = _end_to_end(headers, also_drop, client_request_id_header)
-    result[client_request_id_header] = client_request_id
-    return result
+    dropped, kept = _response_rules(client_request_id_header, body_rewritten)
+    named = _connection_named(headers, kept)
+    if named:
+        dropped = dropped | named
+    # (one compiled pass, the copy made once from the fields kept)
+    fields = [(name, value) for name, value in headers.items() if name.lower() not in dropped]
+    fields.append((client_request_id_header, client_request_id))
+    return CIMultiDict(fields)
+
+
+# The response's rules per client request-ID header, with and without tether's own length
+# (one header per process; a few in tests).
+_RESPONSE_RULES: dict[tuple[str, bool], tuple[frozenset[str], frozenset[str]]] = {}
+
+
+def _response_rules(
+    client_request_id_header: str, body_rewritten: bool
+) -> tuple[frozenset[str], frozenset[str]]:
+    """The fields never passed back, and those a `Connection` token cannot remove."""
+    key = (client_request_id_header, body_rewritten)
+    rules = _RESPONSE_RULES.get(key)
+    if rules is None:
+        dropped = HOP_BY_HOP | {client_request_id_header.lower(), REQUEST_ID_HEADER.lower()}
+        if body_rewritten:
+            dropped |= {"content-length"}
+        rules = _RESPONSE_RULES[key] = (dropped, _kept(client_request_id_header))
+    return rules
 
 
 # A request line's bytes besides its method and target (` ` and ` HTTP/1.1\r\n`) and the

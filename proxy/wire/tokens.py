@@ -17,23 +17,16 @@ at the end, from the last bytes of the response.
 from __future__ import annotations
 
 # Re-exported: callers name a route's shape and its counter from one module.
+from ..engines.token_shapes import ANY_COMPLETION_COUNT, ANY_PROMPT_COUNT
 from ..engines.token_shapes import TokenShape as TokenShape
 
-# The engine's own count, wherever it reports one: `usage.completion_tokens` (OpenAI),
-# `usage.output_tokens` (Anthropic, Responses), `meta_info.completion_tokens` (SGLang); the
-# last one in a response is its total. The closing quote right before the colon keeps
-# `completion_tokens_details` and escaped quotes inside generated text from matching.
-_COMPLETION_TOKENS = b'"completion_tokens":'
-_OUTPUT_TOKENS = b'"output_tokens":'
-# llama.cpp's `timings`, on the last event of every stream (usage asked or not) and in every
-# answer: `predicted_n` tokens generated; the prompt's are `cache_n` (served from the
-# slot's cache) plus `prompt_n` (computed).
-_PREDICTED = b'"predicted_n":'
+# The engine's own counts are where the route's shape says (`TokenShape.completion_counts`,
+# `prompt_counts`; every spelling tether knows where it says none); the last one in a
+# response is its total. llama.cpp's `timings`, on the last event of every stream (usage
+# asked or not) and in every answer: `predicted_n` tokens generated; the prompt's are
+# `cache_n` (served from the slot's cache) plus `prompt_n` (computed).
 _PROMPT_CACHED = b'"cache_n":'
 _PROMPT_COMPUTED = b'"prompt_n":'
-# The prompt's: `usage.prompt_tokens` (OpenAI, SGLang's meta_info), `input_tokens`
-# (Anthropic's message_start, at a stream's start; Responses).
-_PROMPT_TOKENS = (b'"prompt_tokens":', b'"input_tokens":')
 _FINISH_REASONS = (b'"finish_reason":"', b'"stop_reason":"')
 
 
@@ -48,11 +41,13 @@ class TokenCounter:
         "_previous",
         "_reported",
         "_reported_read",
+        "_shape",
         "_third",
         "events",
     )
 
     def __init__(self, shape: TokenShape) -> None:
+        self._shape = shape
         self._counted = shape.counted
         self._excluded = shape.excluded
         # The last three chunks seen: the engine's count sits at the very end of a JSON
@@ -87,7 +82,7 @@ class TokenCounter:
         """The engine's own token count from the last bytes seen, if it reported one."""
         if not self._reported_read:
             self._reported = _last_number(
-                self._tail(), (_COMPLETION_TOKENS, _OUTPUT_TOKENS, _PREDICTED)
+                self._tail(), self._shape.completion_counts or ANY_COMPLETION_COUNT
             )
             self._reported_read = True
         return self._reported
@@ -96,9 +91,10 @@ class TokenCounter:
         """The prompt's tokens, as the engine reported them (at the end, or in a stream's
         opening event), if it did."""
         tail = self._tail()
-        found = _last_number(tail, _PROMPT_TOKENS)
+        markers = self._shape.prompt_counts or ANY_PROMPT_COUNT
+        found = _last_number(tail, markers)
         if found is None and self._first is not None:
-            found = _last_number(self._first, _PROMPT_TOKENS)
+            found = _last_number(self._first, markers)
         if found is None:
             computed = _last_number(tail, (_PROMPT_COMPUTED,))
             if computed is not None:
