@@ -196,10 +196,7 @@ _token = st.text(
 )
 # (a field's value never holds a line break, which aiohttp refuses, nor a surrogate but
 # those that stand for undecodable bytes)
-_value = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"),
-    max_size=20,
-)
+_value = st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\r\n"), max_size=20)
 _HOP_BY_HOP_BESIDES_CONNECTION = sorted(_CONNECTION_SPECIFIC - {"connection"})
 
 
