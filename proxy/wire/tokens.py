@@ -16,8 +16,9 @@ at the end, from the last bytes of the response.
 
 from __future__ import annotations
 
-# Re-exported: callers name a route's shape and its counter from one module.
 from ..engines.token_shapes import ANY_COMPLETION_COUNT, ANY_PROMPT_COUNT
+
+# Re-exported: callers name a route's shape and its counter from one module.
 from ..engines.token_shapes import TokenShape as TokenShape
 
 # The engine's own counts are where the route's shape says (`TokenShape.completion_counts`,
