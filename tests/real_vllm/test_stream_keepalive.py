@@ -14,10 +14,13 @@ from ..support.real_engine.tether import start_tether
 from .processes import EngineInstall, Stack
 from .scenarios import CHAT_PATH, on_default
 
-# A long prompt (about 1,400 of the tiny model's tokens; its context is 2,048): tokenizing and
-# prefilling it on one CPU core is a silence of 100 ms or more, many keep-alive intervals.
+# A long prompt (about 1,900 of the tiny model's tokens; its context is 2,048): tokenizing and
+# prefilling it on one CPU core is a silence of some 20 ms on a fast machine (a 2-core Xeon:
+# the whole answer in 44 ms, its first event after 24), more on a slower one; each of the 8
+# tokens after it about 2.5 ms. A 2 ms interval makes every such silence a comment (at 20 ms
+# that machine saw none).
 PROMPT = "the quick brown fox jumps over the lazy dog " * 100
-KEEPALIVE = "0.02"
+KEEPALIVE = "0.002"
 COMMENT = b": keep-alive\n\n"
 
 # vLLM's own benchmark request function (`vllm bench serve`), run in vLLM's venv: what it makes
