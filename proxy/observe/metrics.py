@@ -159,7 +159,7 @@ class Histogram:
 
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        bounds = [repr(float(bound)) for bound in self._bounds] + ["+Inf"]
+        bounds = [repr(bound) for bound in self._bounds] + ["+Inf"]  # (floats already)
         for labels, (counts, total) in self.series.items():
             cumulative, buckets = 0, []
             for bound, count in zip(bounds, counts, strict=True):
