@@ -46,6 +46,7 @@ COMPILED_MODULES = (
     "proxy.observe.metrics",
     "proxy.server.handler",
     "proxy.server.respond",
+    "proxy.server.whole_answer",
     "proxy.server.early_commit",
     "proxy.request.naming",
     "proxy.request.body",

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict
 
-from proxy.wire.headers import HOP_BY_HOP, EngineHeads, client_response_headers
+from proxy.wire.headers import HOP_BY_HOP, EngineHeads, client_response_fields
 
 from .support.canaries import CANARY_SECRET
 
@@ -171,8 +171,13 @@ def test_connection_cannot_name_the_fields_tether_decides_from() -> None:
     assert upstream["Content-Length"] == "2"
     assert upstream["X-Forwarded-Host"] == "api.example"
     assert "X-Hop" not in upstream
-    response = client_response_headers(
-        sent, client_request_id_header="X-Request-Id", client_request_id="c", body_rewritten=False
+    response = CIMultiDict(
+        client_response_fields(
+            sent,
+            client_request_id_header="X-Request-Id",
+            client_request_id="c",
+            body_rewritten=False,
+        )
     )
     assert response["Content-Type"] == "application/json"
     assert response["X-Request-Id"] == "c"
@@ -181,11 +186,15 @@ def test_connection_cannot_name_the_fields_tether_decides_from() -> None:
 
 def test_response_carries_the_client_id_not_the_engine_echo() -> None:
     """An engine echoing the internal ID (vLLM --enable-request-id-headers) is overridden."""
-    result = client_response_headers(
-        CIMultiDict([("x-request-id", "i" * 32), ("Content-Length", "5"), ("Connection", "close")]),
-        client_request_id_header="X-Request-Id",
-        client_request_id="mine",
-        body_rewritten=True,
+    result = CIMultiDict(
+        client_response_fields(
+            CIMultiDict(
+                [("x-request-id", "i" * 32), ("Content-Length", "5"), ("Connection", "close")]
+            ),
+            client_request_id_header="X-Request-Id",
+            client_request_id="mine",
+            body_rewritten=True,
+        )
     )
     assert result.getall("X-Request-Id") == ["mine"]
     assert "Content-Length" not in result and "Connection" not in result
@@ -244,11 +253,13 @@ def test_no_hop_by_hop_header_ever_crosses(headers: list[tuple[str, str]]) -> No
     added = {"x-request-id", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"}
     for result in (
         _upstream(sent),
-        client_response_headers(
-            sent,
-            client_request_id_header="X-Request-Id",
-            client_request_id="c",
-            body_rewritten=False,
+        CIMultiDict(
+            client_response_fields(
+                sent,
+                client_request_id_header="X-Request-Id",
+                client_request_id="c",
+                body_rewritten=False,
+            )
         ),
     ):
         result_names = {name.lower() for name in result}

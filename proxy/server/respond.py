@@ -1,6 +1,7 @@
 """Every answer a client gets, built here: the engine's response relayed (read whole and
 rewritten, streamed as it arrives, or a WebSocket session), an OpenAI-style error before the
-response started, a cut stream after. The one module that touches aiohttp's own writer.
+response started, a cut stream after. With `whole_answer` (an answer held whole, written in
+one write), the only modules that touch aiohttp's own writer.
 
 A write that fails means the client has left (`ClientGoneError`): the handler takes it as a
 disconnect."""
@@ -38,7 +39,7 @@ from ..upstream.stream_keepalive import KEEPALIVE_COMMENT, StreamKeepAlive
 from ..wire.answer_assembly import AnswerAssembler
 from ..wire.error_events import engine_error, error_event
 from ..wire.event_log import EventLog
-from ..wire.headers import client_response_headers
+from ..wire.headers import client_response_fields
 from ..wire.ids import (
     IdMapper,
     InvalidClientRequestId,
@@ -49,6 +50,7 @@ from ..wire.ids import (
 from ..wire.tokens import TokenCounter, TokenShape
 from ..wire.usage_events import UsageEventFilter
 from .context import ProxyContext
+from .whole_answer import WholeAnswer
 
 _T = TypeVar("_T")
 
@@ -60,7 +62,7 @@ _ACCEL_BUFFERING = istr("X-Accel-Buffering")
 _MAPPED_TYPES = frozenset({"application/json", "text/event-stream", "application/x-ndjson"})
 # What llama-server's non-streaming answers carry, and what only its streams do.
 _JSON = "application/json; charset=utf-8"
-_STREAM_ONLY_HEADERS = (istr("X-Accel-Buffering"),)
+_STREAM_ONLY_HEADERS = frozenset({"x-accel-buffering"})
 # A JSON response with a Content-Length up to this size is read whole so that the rewritten
 # body goes out with an exact Content-Length; larger ones are streamed chunked.
 _MAX_BUFFERED_RESPONSE = 8 * 1024 * 1024
@@ -182,28 +184,28 @@ async def _relay_whole(
     state.upstream.attach(state.relay)
     await state.upstream.wait_end(ctx.settings.stream_idle_timeout)
     body = state.relay.take_buffered()
-    response = web.Response(
-        status=head.status,
-        reason=head.reason,
-        headers=_client_headers(head, state, ctx, rewritten=True),
-        body=body,
-    )
-    return await _answer_whole(request, state, ctx, response)
+    fields = _client_fields(head, state, ctx, rewritten=True)
+    return await _answer_whole(request, state, ctx, head.status, head.reason, fields, body)
 
 
 async def _answer_whole(
-    request: web.BaseRequest, state: RequestState, ctx: ProxyContext, response: web.Response
-) -> web.Response:
-    """Write an answer whose body tether holds whole. Written here rather than by aiohttp
-    once the handler returns: the client has its answer before the request is reported (its
-    log line, metrics and span cost a request's latency otherwise), and "completed" means it
-    was written."""
-    if ctx.readiness.draining:
-        response.force_close()
-    state.client_response = response
-    await _to_client(response.prepare(request))
-    await _to_client(response.write_eof())
-    return response
+    request: web.BaseRequest,
+    state: RequestState,
+    ctx: ProxyContext,
+    status: int,
+    reason: str | None,
+    fields: list[tuple[str, str]],
+    body: bytes,
+) -> WholeAnswer:
+    """Write an answer whose body tether holds whole (`whole_answer`). Written here rather
+    than by aiohttp once the handler returns: the client has its answer before the request
+    is reported (its log line, metrics and span cost a request's latency otherwise), and
+    "completed" means it was written."""
+    # Draining: its client goes to the other replicas for its next request.
+    keep_alive = request.keep_alive and not ctx.readiness.draining
+    state.client_response = answer = WholeAnswer(status, reason, keep_alive=keep_alive)
+    await _to_client(answer.send(request, fields, body))
+    return answer
 
 
 async def _relay_assembled(
@@ -233,13 +235,8 @@ async def _relay_assembled(
     if mapper is not None:
         body = mapper.feed(body) + mapper.flush()
     state.relay.bytes_out = len(body)
-    headers = _client_headers(head, state, ctx, rewritten=True)
-    for name in _STREAM_ONLY_HEADERS:
-        headers.popall(name, None)
-    headers[_CONTENT_TYPE] = _JSON
-    return await _answer_whole(
-        request, state, ctx, web.Response(status=status, headers=headers, body=body)
-    )
+    fields = _as_answer(_client_fields(head, state, ctx, rewritten=True))
+    return await _answer_whole(request, state, ctx, status, None, fields, body)
 
 
 async def _relay_stream(
@@ -539,14 +536,40 @@ async def _relay_websocket(
 def _client_headers(
     head: ResponseHead, state: RequestState, ctx: ProxyContext, *, rewritten: bool
 ) -> CIMultiDict[str]:
+    return CIMultiDict(_client_fields(head, state, ctx, rewritten=rewritten))
+
+
+def _client_fields(
+    head: ResponseHead, state: RequestState, ctx: ProxyContext, *, rewritten: bool
+) -> list[tuple[str, str]]:
     if ctx.faults is not None:
         ctx.faults.at(RESPONSE_HEAD)
-    return client_response_headers(
+    return client_response_fields(
         head.headers,
         client_request_id_header=ctx.settings.request_id_header,
         client_request_id=state.client_request_id,
         body_rewritten=rewritten,
     )
+
+
+def _as_answer(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A stream's fields for the answer assembled from it: what only a stream carries left
+    out, and its Content-Type a non-streaming answer's (where the stream's stood)."""
+    answer: list[tuple[str, str]] = []
+    typed = False
+    for name, value in fields:
+        lowered = name.lower()
+        if lowered in _STREAM_ONLY_HEADERS:
+            continue
+        if lowered == "content-type":
+            if typed:
+                continue
+            typed = True
+            value = _JSON
+        answer.append((name, value))
+    if not typed:
+        answer.append((_CONTENT_TYPE, _JSON))
+    return answer
 
 
 def _is_sse(head: ResponseHead) -> bool:

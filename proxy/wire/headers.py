@@ -199,16 +199,16 @@ def _field_name(lowered: str) -> bytes:
     return lowered.encode("utf-8", "surrogateescape")
 
 
-def client_response_headers(
+def client_response_fields(
     headers: CIMultiDictProxy[str] | CIMultiDict[str],
     *,
     client_request_id_header: str,
     client_request_id: str,
     body_rewritten: bool,
-) -> CIMultiDict[str]:
-    """Headers to send back to the client for one upstream response: without hop-by-hop
-    ones and those named in `Connection` (never the fields of `_NEVER_CONNECTION_NAMED` or
-    the client's request-ID header).
+) -> list[tuple[str, str]]:
+    """The fields to send back to the client for one upstream response, in order: without
+    hop-by-hop ones and those named in `Connection` (never the fields of
+    `_NEVER_CONNECTION_NAMED` or the client's request-ID header).
 
     Any request-ID header the engine echoed carries the internal ID; the client gets its own.
     A rewritten body changes length, so its `Content-Length` is set again by the caller.
@@ -217,10 +217,10 @@ def client_response_headers(
     named = _connection_named(headers, kept)
     if named:
         dropped = dropped | named
-    # (one compiled pass, the copy made once from the fields kept)
+    # (one compiled pass)
     fields = [(name, value) for name, value in headers.items() if name.lower() not in dropped]
     fields.append((client_request_id_header, client_request_id))
-    return CIMultiDict(fields)
+    return fields
 
 
 # The response's rules per client request-ID header, with and without tether's own length
