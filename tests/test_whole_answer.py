@@ -134,7 +134,7 @@ async def _by_aiohttp(case: _Case) -> tuple[bytes, bool | None]:
 async def _by_tether(case: _Case) -> tuple[bytes, bool | None]:
     request, transport, _ = _request(case.method, case.version, closing=case.closing)
     answer = WholeAnswer(*case.status, keep_alive=request.keep_alive and not case.draining)
-    await answer.send(request, list(case.headers), case.body)
+    await answer.send(request, case.method, list(case.headers), case.body)
     assert answer.prepared
     # What aiohttp does with the handler's answer writes nothing more.
     assert await answer.prepare(request) is None
@@ -165,7 +165,7 @@ async def test_every_whole_answer_is_the_bytes_aiohttp_writes_for_it() -> None:
 async def test_a_whole_answer_is_one_write_that_keeps_a_kept_alive_connection_open() -> None:
     request, transport, _ = _request("POST", HttpVersion(1, 1), closing=False)
     answer = WholeAnswer(200, "OK", keep_alive=True)
-    await answer.send(request, [("Content-Type", "application/json")], b"{}")
+    await answer.send(request, "POST", [("Content-Type", "application/json")], b"{}")
     assert len(transport.calls) == 1
     head, _, body = transport.written.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
@@ -182,7 +182,7 @@ async def _sending_to_a_full_socket() -> tuple[
     request, transport, protocol = _request("POST", HttpVersion(1, 1), closing=False)
     protocol.pause_writing()
     answer = WholeAnswer(200, "OK", keep_alive=True)
-    sending = asyncio.ensure_future(answer.send(request, [], b"x" * 100))
+    sending = asyncio.ensure_future(answer.send(request, "POST", [], b"x" * 100))
     await asyncio.sleep(0)  # (one turn: it writes, then waits for the socket)
     assert not sending.done()
     return transport, protocol, answer, sending
@@ -208,7 +208,7 @@ async def test_a_whole_answer_to_a_client_gone_fails_and_closes_its_connection()
     transport.close()
     answer = WholeAnswer(200, "OK", keep_alive=True)
     with pytest.raises(ConnectionError):
-        await answer.send(request, [], b"{}")
+        await answer.send(request, "POST", [], b"{}")
     assert answer.prepared and not answer.keep_alive
     assert transport.written == b""
 
@@ -233,11 +233,14 @@ async def test_a_head_with_a_control_character_is_refused_as_aiohttp_refuses_it(
         await _by_tether(case)
 
 
-def test_a_reason_that_would_split_the_head_is_refused_as_aiohttp_refuses_it() -> None:
+async def test_a_reason_that_would_split_the_head_is_refused_as_aiohttp_refuses_it() -> None:
     with pytest.raises(ValueError):
         web.Response(status=200, reason="OK\r\nSet-Cookie: stolen=1")
+    case = _Case(
+        "GET", (200, "OK\r\nSet-Cookie: stolen=1"), HttpVersion(1, 1), (), b"{}", False, False
+    )
     with pytest.raises(ValueError):
-        WholeAnswer(200, "OK\r\nSet-Cookie: stolen=1", keep_alive=True)
+        await _by_tether(case)
 
 
 def test_the_date_is_aiohttps_date() -> None:

@@ -204,7 +204,7 @@ async def _answer_whole(
     # Draining: its client goes to the other replicas for its next request.
     keep_alive = request.keep_alive and not ctx.readiness.draining
     state.client_response = answer = WholeAnswer(status, reason, keep_alive=keep_alive)
-    await _to_client(answer.send(request, fields, body))
+    await _to_client(answer.send(request, state.method, fields, body))
     return answer
 
 

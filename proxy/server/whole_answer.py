@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 import time
 from email.utils import formatdate
+from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -35,6 +36,8 @@ from aiohttp.web_response import StreamResponse  # (by its module: mypyc subclas
 from mypy_extensions import mypyc_attr
 
 _SERVER_LINE = "Server: " + SERVER_SOFTWARE
+# The standard reason phrases, as aiohttp gives a status without one.
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
 # What aiohttp's serializer refuses in a head: control characters but the tab (RFC 9110 5.5).
 _FORBIDDEN_IN_HEADERS = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 
@@ -44,14 +47,29 @@ class WholeAnswer(StreamResponse):
     """What aiohttp gets back from the handler for an answer written here: once `send`
     began it counts as sent, so the `prepare` and `write_eof` aiohttp calls after the
     handler do nothing, and it says whether the connection stays open for the next request.
-    (aiohttp's class, so that the handler returns one kind of response; compiled code
-    subclasses it only as a plain Python class.)"""
+
+    aiohttp's class, so that the handler returns one kind of response, but not built by
+    aiohttp's `__init__` (interpreted, a fifth of what writing the answer costs): its status
+    and reason are this class's own, and its header mapping and per-response storage are
+    never set up, being what aiohttp writes from and what an `Application`'s handlers share
+    (tether writes the head itself, runs no `Application`, and keeps aiohttp's access log
+    off, the one reader of a response's headers after its handler). Compiled code subclasses
+    aiohttp's class only as a plain Python class."""
 
     def __init__(self, status: int, reason: str | None, *, keep_alive: bool) -> None:
-        super().__init__(status=status, reason=reason)  # checks the reason as aiohttp does
+        self._answer_status = status
+        self._answer_reason = _REASONS.get(status, "") if reason is None else reason
         self._stays_open = keep_alive
         self._started = False
         self._length = 0
+
+    @property
+    def status(self) -> int:
+        return self._answer_status
+
+    @property
+    def reason(self) -> str:
+        return self._answer_reason
 
     @property
     def prepared(self) -> bool:
@@ -72,18 +90,18 @@ class WholeAnswer(StreamResponse):
         return None
 
     async def send(
-        self, request: web.BaseRequest, fields: list[tuple[str, str]], body: bytes
+        self, request: web.BaseRequest, method: str, fields: list[tuple[str, str]], body: bytes
     ) -> None:
-        """Write a head of `fields` (the engine's, as the client gets them) and the body; a
-        `ConnectionError` means the client has gone, and the connection then closes."""
+        """Write a head of `fields` (the engine's, as the client gets them) and the body, the
+        answer to a `method` request; a `ConnectionError` means the client has gone, and the
+        connection then closes."""
         self._started = True
-        status = self.status
-        method = request.method
+        status = self._answer_status
         version = request.version
         # No body may follow these heads; nor a length for a bodiless status or a tunnel.
         lengthless = status < 200 or status in (204, 304) or (method == "CONNECT" and status < 300)
         bodiless = lengthless or method == "HEAD"
-        lines = [f"HTTP/{version[0]}.{version[1]} {status} {self.reason}"]
+        lines = [f"HTTP/{version[0]}.{version[1]} {status} {self._answer_reason}"]
         has_length = has_type = has_date = has_server = has_connection = False
         for name, value in fields:
             lowered = name.lower()
@@ -125,7 +143,8 @@ class WholeAnswer(StreamResponse):
         lines.append("\r\n")
         # (surrogates, which UTF-8 cannot encode, are left out, as aiohttp leaves them out)
         head = "\r\n".join(lines).encode("utf-8", "ignore")
-        transport = request.transport
+        protocol = request.protocol
+        transport = protocol.transport
         if transport is None or transport.is_closing():
             self._stays_open = False
             raise ConnectionResetError("the client's connection is closing")
@@ -133,7 +152,7 @@ class WholeAnswer(StreamResponse):
         self._length = len(body)
         writer = request.writer
         writer.output_size += len(head) + len(body)  # (aiohttp never answers it again)
-        if request.protocol.writing_paused:  # the client reads slower than its answer came
+        if protocol.writing_paused:  # the client reads slower than its answer came
             try:
                 await writer.drain()
             except ConnectionError:
