@@ -45,6 +45,7 @@ _BODIES = (b"", b'{"id":"chatcmpl-client-7","object":"chat.completion"}')
 _ENGINE_HEADERS: tuple[tuple[tuple[str, str], ...], ...] = (
     (),
     (("Content-Type", "application/json"), ("X-Engine", "a")),
+    # (the engine's own Date spelt in lower case: `_dated` masks only a `Date` added)
     (
         ("content-type", "application/json"),
         ("date", "Thu, 03 Dec 2026 10:00:00 GMT"),

@@ -16,10 +16,11 @@ What aiohttp decides about a response's head is decided here the same way:
 - the connection stays open unless the client asked otherwise or tether is draining:
   `Connection: close` says so on HTTP/1.1, `Connection: keep-alive` on HTTP/1.0.
 
-The head is serialized by aiohttp's own serializer (its bytes, and its refusal of a field
-that would split the head), written with the body in one write to the client's transport,
-and counted in the request's writer (so aiohttp never answers the request again); the
-answer waits while the client's socket is above its high-water mark, as aiohttp's does.
+The head is serialized as aiohttp's serializer does it (UTF-8, a control character but the
+tab refused, so no field can split the head), written with the body in one write to the
+client's transport, and counted in the request's writer (so aiohttp never answers the
+request again); the answer waits while the client's socket is above its high-water mark,
+as aiohttp's does.
 """
 
 from __future__ import annotations
