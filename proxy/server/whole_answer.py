@@ -43,8 +43,9 @@ _REASONS = {status.value: status.phrase for status in HTTPStatus}
 _FORBIDDEN_IN_HEADERS = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
 
 
+# (the ignore for the build: there aiohttp is not installed, and its class is of type Any)
 @mypyc_attr(native_class=False)
-class WholeAnswer(StreamResponse):
+class WholeAnswer(StreamResponse):  # type: ignore[misc,unused-ignore]
     """What aiohttp gets back from the handler for an answer written here: once `send`
     began it counts as sent, so the `prepare` and `write_eof` aiohttp calls after the
     handler do nothing, and it says whether the connection stays open for the next request.
